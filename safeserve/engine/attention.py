@@ -1,0 +1,88 @@
+"""Attention over the paged KV cache (torch path; GPU kernels come later).
+
+The cache of one layer is a pair of tensors `[num_blocks * block_size, kv_heads, head_dim]`; a
+token at position `p` of a request lives in slot `block_table[p // block_size] * block_size +
+p % block_size`. Each step writes the new tokens' keys/values into their slots, then every
+sequence attends over slots `0 .. context_len-1` read back through its block table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class SeqAttention:
+    """One sequence of the batch: its query rows and the cache slots of its whole context."""
+
+    query_start: int  # first row of this sequence in the flattened batch
+    query_len: int  # tokens computed this step
+    context_len: int  # tokens in the cache after this step (computed before + query_len)
+    kv_slots: torch.Tensor  # [context_len] int64 cache slots, in position order
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64, where each new token's K/V goes
+    seqs: list[SeqAttention]
+
+    @staticmethod
+    def build(
+        query_lens: list[int],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device | str,
+    ) -> AttentionMetadata:
+        seqs: list[SeqAttention] = []
+        slot_chunks: list[torch.Tensor] = []
+        start = 0
+        for q_len, ctx, table in zip(query_lens, context_lens, block_tables, strict=True):
+            n_blocks = (ctx + block_size - 1) // block_size
+            blocks = torch.tensor(table[:n_blocks], dtype=torch.int64)
+            slots = (blocks[:, None] * block_size + torch.arange(block_size)[None, :]).reshape(-1)
+            slots = slots[:ctx].to(device)
+            seqs.append(SeqAttention(start, q_len, ctx, slots))
+            slot_chunks.append(slots[ctx - q_len :])
+            start += q_len
+        slot_mapping = (
+            torch.cat(slot_chunks)
+            if slot_chunks
+            else torch.empty(0, dtype=torch.int64, device=device)
+        )
+        return AttentionMetadata(slot_mapping, seqs)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """q [T, Hq, D], k/v [T, Hkv, D] of this step's tokens. Returns [T, Hq, D]."""
+    k_cache, v_cache = kv_cache
+    k_cache[meta.slot_mapping] = k.to(k_cache.dtype)
+    v_cache[meta.slot_mapping] = v.to(v_cache.dtype)
+    num_heads, num_kv_heads = q.shape[1], k.shape[1]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    for s in meta.seqs:
+        rows = slice(s.query_start, s.query_start + s.query_len)
+        qs = q[rows].transpose(0, 1)  # [Hq, q, D]
+        ks = k_cache[s.kv_slots].to(q.dtype).transpose(0, 1)  # [Hkv, ctx, D]
+        vs = v_cache[s.kv_slots].to(q.dtype).transpose(0, 1)
+        if group > 1:
+            ks = ks.repeat_interleave(group, dim=0)
+            vs = vs.repeat_interleave(group, dim=0)
+        # Query i sits at position context_len - query_len + i and sees keys 0..that position.
+        q_pos = torch.arange(s.context_len - s.query_len, s.context_len, device=q.device)
+        k_pos = torch.arange(s.context_len, device=q.device)
+        mask = k_pos[None, :] <= q_pos[:, None]
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
+        out[rows] = o.transpose(0, 1)
+    return out

@@ -1,0 +1,48 @@
+"""A request's state inside a group: its tokens, how many are computed, its KV blocks."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from safeserve.messages import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    token_ids: list[int] = field(default_factory=list)  # prompt + generated
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    block_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_ids)
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens whose K/V still have to be computed before the next sample."""
+        return len(self.token_ids) - self.num_computed

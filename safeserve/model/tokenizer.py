@@ -1,0 +1,158 @@
+"""Tokenizers: Hugging Face `tokenizer.json` files, and the built-in byte-level one of `tiny`.
+
+Both render chat messages with a Jinja chat template (from `tokenizer_config.json` or
+`chat_template.jinja`, as transformers writes them), in a sandboxed environment.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Protocol
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+class TokenizerError(ValueError):
+    pass
+
+
+class Tokenizer(Protocol):
+    eos_token_ids: list[int]
+    vocab_size: int
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+    def decode(self, ids: list[int]) -> str: ...
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str: ...
+
+
+def _raise(message: str) -> None:
+    raise TokenizerError(message)
+
+
+class ChatTemplate:
+    def __init__(self, source: str, special: dict[str, str | None]) -> None:
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise
+        env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False, **kw)
+        self.template = env.from_string(source)
+        self.special = special
+
+    def render(self, messages: list[dict[str, Any]]) -> str:
+        try:
+            return self.template.render(
+                messages=messages, add_generation_prompt=True, tools=None, **self.special
+            )
+        except jinja2.TemplateError as e:
+            raise TokenizerError(f"chat template failed: {e}") from e
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+class HFTokenizer:
+    """A `tokenizer.json` read with the `tokenizers` library."""
+
+    def __init__(self, model_dir: str | Path, config_eos_ids: list[int] | None = None) -> None:
+        from tokenizers import Tokenizer as RustTokenizer
+
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.exists():
+            raise TokenizerError(f"no tokenizer.json in {model_dir}")
+        self._tok = RustTokenizer.from_file(str(path))
+        tc_path = model_dir / "tokenizer_config.json"
+        tc: dict[str, Any] = json.loads(tc_path.read_text()) if tc_path.exists() else {}
+        self.bos_token = _token_text(tc.get("bos_token"))
+        self.eos_token = _token_text(tc.get("eos_token"))
+        template = tc.get("chat_template")
+        jinja_path = model_dir / "chat_template.jinja"
+        if jinja_path.exists():
+            template = jinja_path.read_text()
+        if isinstance(template, list):  # named templates: take the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        self.chat_template = (
+            ChatTemplate(template, {"bos_token": self.bos_token, "eos_token": self.eos_token})
+            if template
+            else None
+        )
+        eos_ids: list[int] = list(config_eos_ids or [])
+        gen_path = model_dir / "generation_config.json"
+        if gen_path.exists():
+            gen_eos = json.loads(gen_path.read_text()).get("eos_token_id")
+            for i in [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or []):
+                if i not in eos_ids:
+                    eos_ids.append(i)
+        if self.eos_token is not None:
+            eos_id = self._tok.token_to_id(self.eos_token)
+            if eos_id is not None and eos_id not in eos_ids:
+                eos_ids.append(eos_id)
+        self.eos_token_ids = eos_ids
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        # As transformers does: the tokenizer's post-processor adds BOS etc. for plain prompts;
+        # a rendered chat template already holds its special tokens.
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
+        if self.chat_template is None:
+            raise TokenizerError("this model has no chat template; use /v1/completions")
+        return self.chat_template.render(messages)
+
+
+BYTE_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+class ByteTokenizer:
+    """Bytes 0..255 are tokens 0..255; three special tokens follow. Used by the tiny model."""
+
+    SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+    def __init__(self) -> None:
+        self.special_ids = {s: 256 + i for i, s in enumerate(self.SPECIAL)}
+        self.vocab_size = 256 + len(self.SPECIAL)
+        self.eos_token_ids = [self.special_ids["<|endoftext|>"], self.special_ids["<|im_end|>"]]
+        self.chat_template = ChatTemplate(
+            BYTE_CHAT_TEMPLATE, {"bos_token": None, "eos_token": None}
+        )
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids: list[int] = []
+        pos = 0
+        while pos < len(text):
+            nxt = min(
+                ((text.find(s, pos), s) for s in self.SPECIAL if text.find(s, pos) >= 0),
+                default=(-1, ""),
+            )
+            end = nxt[0] if nxt[0] >= 0 else len(text)
+            ids.extend(text[pos:end].encode("utf-8"))
+            if nxt[0] < 0:
+                break
+            ids.append(self.special_ids[nxt[1]])
+            pos = end + len(nxt[1])
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
+        return self.chat_template.render(messages)
+
+
+def load_tokenizer(model: str, config_eos_ids: list[int] | None = None) -> Tokenizer:
+    from safeserve.config import TINY_MODEL
+
+    if model == TINY_MODEL:
+        return ByteTokenizer()
+    return HFTokenizer(model, config_eos_ids)

@@ -1,0 +1,386 @@
+"""The HTTP frontend: OpenAI-compatible routes, health, readiness and metrics.
+
+Route handlers stay thin: validation in `protocol.py`, generation in `generate.py`, the group's
+processes behind `GroupClient`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from safeserve.config import ServerArgs
+from safeserve.model.loader import load_model_config
+from safeserve.model.tokenizer import Tokenizer, TokenizerError, load_tokenizer
+from safeserve.server import protocol as P
+from safeserve.server.errors import APIError, bad_request, unavailable
+from safeserve.server.generate import Generation, Generator
+from safeserve.server.group_client import GroupClient, GroupState
+from safeserve.server.metrics import Metrics
+
+logger = logging.getLogger(__name__)
+
+
+class BodySizeLimit:
+    """Pure ASGI middleware: a body over the limit gets 413 before any handler reads it."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        too_big = APIError(413, f"request body exceeds {self.max_bytes} bytes", "request_too_large")
+        for k, v in scope.get("headers", []):
+            if k == b"content-length" and v.isdigit() and int(v) > self.max_bytes:
+                await too_big.response()(scope, receive, send)
+                return
+        seen = 0
+
+        async def limited_receive() -> dict:
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.max_bytes:
+                    raise _BodyTooLarge
+            return msg
+
+        try:
+            await self.app(scope, limited_receive, send)
+        except _BodyTooLarge:
+            await too_big.response()(scope, receive, send)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class ServerState:
+    def __init__(self, args: ServerArgs, on_fatal: Callable[[str], None]) -> None:
+        self.args = args
+        self.model_config = load_model_config(args.model)
+        self.tokenizer: Tokenizer = load_tokenizer(args.model, self.model_config.eos_token_ids)
+        self.metrics = Metrics()
+        self.on_fatal = on_fatal
+        self.group: GroupClient | None = None
+        self.generator: Generator | None = None
+        self.started = time.time()
+
+
+def build_app(args: ServerArgs, on_fatal: Callable[[str], None] | None = None) -> FastAPI:
+    """`on_fatal(reason)` is called when the server cannot serve at all (the CLI exits non-zero)."""
+    state = ServerState(args, on_fatal or (lambda reason: None))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        group = GroupClient(args, 0)
+        state.group = group
+        state.generator = Generator(state.tokenizer, group, state.metrics, args.model_name)
+        group.start()
+        watcher = asyncio.create_task(_watch_startup(state))
+        try:
+            yield
+        finally:
+            watcher.cancel()
+            await group.stop()
+
+    app = FastAPI(title="safeserve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.add_middleware(BodySizeLimit, max_bytes=args.max_request_body_bytes)
+    app.state.safeserve = state
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> Response:
+        state.metrics.requests.labels(request.url.path, str(exc.status)).inc()
+        return exc.response()
+
+    @app.get("/health")
+    async def health() -> Response:
+        g = state.group
+        if g is None or g.state is GroupState.FAILED:
+            reason = g.fatal if g else "starting"
+            return JSONResponse({"status": "unhealthy", "reason": reason}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        g = state.group
+        if g is not None and g.ready:
+            return JSONResponse({"status": "ready", "groups_ready": 1})
+        st = g.state.value if g else "STARTING"
+        return JSONResponse({"status": "not ready", "group_state": st}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        _refresh_gauges(state)
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        _check_auth(state, request)
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": args.model_name,
+                        "object": "model",
+                        "created": int(state.started),
+                        "owned_by": "safeserve",
+                        "max_model_len": _max_model_len(state),
+                    }
+                ],
+            }
+        )
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        _check_auth(state, request)
+        req: P.CompletionRequest = P.parse(P.CompletionRequest, await _json_body(request))
+        _check_model(state, req.model)
+        prompt_ids = _completion_prompt_ids(state, req.prompt)
+        gen = _start(state, "cmpl-", prompt_ids, req, req.max_tokens, default_to_remaining=False)
+        if req.stream:
+            return _sse(request, state, gen, _completion_stream(gen, req))
+        return await _collect(request, state, gen, chat=False, return_ids=req.return_token_ids)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        _check_auth(state, request)
+        req: P.ChatCompletionRequest = P.parse(P.ChatCompletionRequest, await _json_body(request))
+        _check_model(state, req.model)
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            text = state.tokenizer.apply_chat_template(messages)
+        except TokenizerError as e:
+            raise bad_request(str(e), "messages") from e
+        prompt_ids = state.tokenizer.encode(text, add_special_tokens=False)
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        gen = _start(state, "chatcmpl-", prompt_ids, req, max_tokens, default_to_remaining=True)
+        if req.stream:
+            return _sse(request, state, gen, _chat_stream(gen, req))
+        return await _collect(request, state, gen, chat=True, return_ids=req.return_token_ids)
+
+    return app
+
+
+# -- helpers ------------------------------------------------------------------------------------
+async def _watch_startup(state: ServerState) -> None:
+    g = state.group
+    assert g is not None
+    try:
+        await g.wait_ready(state.args.startup_timeout_s)
+    except TimeoutError:
+        state.on_fatal(f"group 0 not ready after {state.args.startup_timeout_s:.0f} s")
+        return
+    if g.state is GroupState.FAILED and g.ready_info is None:
+        state.on_fatal(f"group 0 failed to start: {g.fatal}")
+
+
+def _check_auth(state: ServerState, request: Request) -> None:
+    key = state.args.api_key
+    if not key:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        raise APIError(
+            401, "missing or invalid API key (send Authorization: Bearer <key>)", "invalid_api_key"
+        )
+
+
+async def _json_body(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad_request(f"malformed JSON body: {e}") from e
+
+
+def _check_model(state: ServerState, name: str) -> None:
+    if name != state.args.model_name:
+        raise P.not_found_model(name, state.args.model_name)
+
+
+def _max_model_len(state: ServerState) -> int:
+    g = state.group
+    if g is not None and g.ready_info is not None:
+        return g.ready_info.max_model_len
+    return state.args.max_model_len or state.model_config.max_position_embeddings
+
+
+def _completion_prompt_ids(state: ServerState, prompt: Any) -> list[int]:
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise bad_request(
+                "batched prompts are not supported; send one prompt per request", "prompt"
+            )
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        ids = state.tokenizer.encode(prompt)
+    else:
+        ids = list(prompt)
+        vocab = state.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise bad_request(f"prompt token ids must be in [0, {vocab})", "prompt")
+    if not ids:
+        raise bad_request("prompt is empty", "prompt")
+    return ids
+
+
+def _start(
+    state: ServerState,
+    prefix: str,
+    prompt_ids: list[int],
+    req: P._SamplingFields,
+    max_tokens: int | None,
+    default_to_remaining: bool,
+) -> Generation:
+    g, gen = state.group, state.generator
+    if g is None or gen is None or not g.ready:
+        raise unavailable("no group is ready to serve; retry later")
+    max_len = _max_model_len(state)
+    remaining = max_len - len(prompt_ids)
+    if remaining < 1:
+        raise bad_request(
+            f"prompt has {len(prompt_ids)} tokens; the context length is {max_len}", "prompt"
+        )
+    if max_tokens is None:
+        max_tokens = remaining if default_to_remaining else min(16, remaining)
+    if len(prompt_ids) + max_tokens > max_len:
+        raise bad_request(
+            f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceeds the context "
+            f"length {max_len}",
+            "max_tokens",
+        )
+    from safeserve.messages import SamplingParams
+
+    top_k = 0 if req.top_k in (-1, 0) else req.top_k
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=top_k,
+        seed=req.seed,
+        stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=req.ignore_eos,
+    )
+    return gen.start(prefix + uuid.uuid4().hex, prompt_ids, params, req.stop_strings())
+
+
+def _refresh_gauges(state: ServerState) -> None:
+    g, m = state.group, state.metrics
+    if g is None:
+        return
+    label = str(g.group)
+    m.running.labels(label).set(g.stats.num_running)
+    m.waiting.labels(label).set(g.stats.num_waiting)
+    m.kv_used.labels(label).set(g.stats.kv_blocks_used)
+    m.kv_total.labels(label).set(g.stats.kv_blocks_total)
+    m.preemptions.labels(label).set(g.stats.num_preemptions)
+    m.group_ready.labels(label).set(1 if g.ready else 0)
+    now = time.time()
+    for r in g.ranks.values():
+        m.heartbeat_age.labels(label, str(r.rank)).set(max(0.0, now - r.last_beat))
+    m.in_flight.set(len(state.generator.active) if state.generator else 0)
+
+
+def _sse(
+    request: Request, state: ServerState, gen: Generation, chunks: AsyncIterator[dict]
+) -> Response:
+    path = request.url.path
+
+    async def body() -> AsyncIterator[bytes]:
+        status = "200"
+        try:
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+        except APIError as e:  # the group failed mid-stream: say so in the stream, then end it
+            status = str(e.status)
+            yield f"data: {json.dumps(e.body())}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+        except (asyncio.CancelledError, GeneratorExit):
+            status = "499"  # client went away
+            raise
+        finally:
+            gen.close()
+            state.metrics.requests.labels(path, status).inc()
+
+    return StreamingResponse(
+        body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+    )
+
+
+async def _completion_stream(gen: Generation, req: P.CompletionRequest) -> AsyncIterator[dict]:
+    async for delta in gen.deltas():
+        ids = delta.token_ids if req.return_token_ids else None
+        use = P.usage(gen.num_prompt_tokens, gen.num_output_tokens) if delta.finish_reason else None
+        if delta.text or delta.finish_reason or ids:
+            yield P.completion_chunk(gen.rid, gen.model, delta.text, delta.finish_reason, use, ids)
+    if req.stream_options and req.stream_options.include_usage:
+        use = P.usage(gen.num_prompt_tokens, gen.num_output_tokens)
+        yield P.completion_chunk(gen.rid, gen.model, "", None, use, empty=True)
+
+
+async def _chat_stream(gen: Generation, req: P.ChatCompletionRequest) -> AsyncIterator[dict]:
+    yield P.chat_chunk(gen.rid, gen.model, {"role": "assistant", "content": ""}, None)
+    async for delta in gen.deltas():
+        ids = delta.token_ids if req.return_token_ids else None
+        use = P.usage(gen.num_prompt_tokens, gen.num_output_tokens) if delta.finish_reason else None
+        if delta.text or delta.finish_reason or ids:
+            d = {"content": delta.text} if delta.text else {}
+            yield P.chat_chunk(gen.rid, gen.model, d, delta.finish_reason, use, ids)
+    if req.stream_options and req.stream_options.include_usage:
+        use = P.usage(gen.num_prompt_tokens, gen.num_output_tokens)
+        yield P.chat_chunk(gen.rid, gen.model, {}, None, use, empty=True)
+
+
+async def _collect(
+    request: Request, state: ServerState, gen: Generation, chat: bool, return_ids: bool
+) -> Response:
+    """Non-streaming: gather every delta, while watching for the client going away."""
+    text: list[str] = []
+    ids: list[int] = []
+    finish: str | None = None
+
+    async def gather() -> None:
+        nonlocal finish
+        async for delta in gen.deltas():
+            text.append(delta.text)
+            ids.extend(delta.token_ids)
+            finish = delta.finish_reason or finish
+
+    async def disconnected() -> None:
+        while not await request.is_disconnected():
+            await asyncio.sleep(0.25)
+
+    work = asyncio.create_task(gather())
+    watch = asyncio.create_task(disconnected())
+    try:
+        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if work not in done:
+            work.cancel()
+            state.metrics.requests.labels(request.url.path, "499").inc()
+            return Response(status_code=499)
+        work.result()  # re-raises APIError (e.g. the group failed)
+    finally:
+        watch.cancel()
+        gen.close()
+    use = P.usage(gen.num_prompt_tokens, gen.num_output_tokens)
+    token_ids = ids if return_ids else None
+    build = P.chat_response if chat else P.completion_response
+    state.metrics.requests.labels(request.url.path, "200").inc()
+    return JSONResponse(build(gen.rid, gen.model, "".join(text), finish, use, token_ids))

@@ -1,0 +1,58 @@
+"""OpenAI-style errors: `{"error": {"message", "type", "param", "code"}}` with the right status."""
+
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_server_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        code: str | None = None,
+        param: str | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+        self.retry_after = retry_after
+
+    def body(self) -> dict:
+        return {
+            "error": {
+                "message": self.message,
+                "type": _TYPES.get(self.status, "error"),
+                "param": self.param,
+                "code": self.code or self.status,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        headers = {}
+        if self.retry_after is not None:
+            headers["Retry-After"] = str(max(1, round(self.retry_after)))
+        if self.status == 401:
+            headers["WWW-Authenticate"] = "Bearer"
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request", param)
+
+
+def unavailable(message: str, retry_after: float = 1.0) -> APIError:
+    return APIError(503, message, "service_unavailable", retry_after=retry_after)

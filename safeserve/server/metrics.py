@@ -1,0 +1,95 @@
+"""Every Prometheus metric of safeserve (prefix `safeserve:`), defined once, here."""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+
+# `*_created` series double the output and nobody reads them.
+disable_created_metrics()
+
+PREFIX = "safeserve:"
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.0, 2.5)
+
+
+class Metrics:
+    """One registry per server; names are documented in README.md (Metrics)."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            PREFIX + "requests",
+            "Finished HTTP requests by endpoint and status code.",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            PREFIX + "prompt_tokens", "Prompt tokens admitted.", registry=r
+        )
+        self.generation_tokens = Counter(
+            PREFIX + "generation_tokens", "Tokens generated.", registry=r
+        )
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds",
+            "Time from request arrival to first token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            PREFIX + "time_per_output_token_seconds",
+            "Mean time per output token after the first.",
+            buckets=_TPOT_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds",
+            "Time from arrival to the last token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.running = Gauge(
+            PREFIX + "num_requests_running",
+            "Requests holding KV blocks in a group.",
+            ["group"],
+            registry=r,
+        )
+        self.waiting = Gauge(
+            PREFIX + "num_requests_waiting", "Requests queued in a group.", ["group"], registry=r
+        )
+        self.kv_used = Gauge(
+            PREFIX + "kv_blocks_used", "KV-cache blocks in use, per group.", ["group"], registry=r
+        )
+        self.kv_total = Gauge(
+            PREFIX + "kv_blocks_total", "KV-cache blocks, per group.", ["group"], registry=r
+        )
+        self.preemptions = Gauge(
+            PREFIX + "num_preemptions",
+            "Requests preempted (recomputed later) since start, per group.",
+            ["group"],
+            registry=r,
+        )
+        self.group_ready = Gauge(
+            PREFIX + "group_ready", "1 while the group serves requests.", ["group"], registry=r
+        )
+        self.heartbeat_age = Gauge(
+            PREFIX + "rank_heartbeat_age_seconds",
+            "Seconds since a rank's last heartbeat.",
+            ["group", "rank"],
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            PREFIX + "requests_in_flight",
+            "Requests the frontend holds (queued or generating).",
+            registry=r,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

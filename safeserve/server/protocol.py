@@ -1,0 +1,235 @@
+"""The OpenAI protocol: request models (validated at the edge) and response builders."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from safeserve.server.errors import APIError, bad_request
+
+MAX_STOP_STRINGS = 16
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    n: int = Field(default=1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    user: str | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # Extensions (as vLLM and SGLang name them).
+    top_k: int = Field(default=0, ge=-1)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    return_token_ids: bool = False
+
+    @field_validator("n")
+    @classmethod
+    def _only_one(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError("n > 1 is not supported")
+        return n
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalties(cls, v: float) -> float:
+        if v != 0.0:
+            raise ValueError("presence and frequency penalties are not supported")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v: str | list[str] | None) -> str | list[str] | None:
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        if any(s == "" for s in stops):
+            raise ValueError("stop strings must not be empty")
+        return v
+
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(default=16, ge=1)
+    echo: bool = False
+    logprobs: int | None = None
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("echo is not supported")
+        return v
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v: int | None) -> int | None:
+        if v is not None:
+            raise ValueError("logprobs are not supported")
+        return v
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[ContentPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("logprobs are not supported")
+        return v
+
+
+def parse(model: type[BaseModel], body: Any) -> Any:
+    """Validate a decoded JSON body; any problem is one 400 naming the field."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"]) or None
+        msg = err["msg"].removeprefix("Value error, ")
+        raise bad_request(f"{loc}: {msg}" if loc else msg, param=loc) from e
+
+
+def not_found_model(name: str, served: str) -> APIError:
+    return APIError(
+        404,
+        f"The model {name!r} does not exist; this server serves {served!r}",
+        "model_not_found",
+        "model",
+    )
+
+
+# -- responses ----------------------------------------------------------------------------------
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def completion_response(
+    rid: str, model: str, text: str, finish: str | None, use: dict, token_ids: list[int] | None
+) -> dict:
+    choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "usage": use,
+    }
+
+
+def completion_chunk(
+    rid: str,
+    model: str,
+    text: str,
+    finish: str | None,
+    use: dict | None = None,
+    token_ids: list[int] | None = None,
+    empty: bool = False,
+) -> dict:
+    chunk: dict[str, Any] = {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+    }
+    choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    chunk["choices"] = [] if empty else [choice]
+    if use is not None:
+        chunk["usage"] = use
+    return chunk
+
+
+def chat_response(
+    rid: str, model: str, text: str, finish: str | None, use: dict, token_ids: list[int] | None
+) -> dict:
+    choice: dict[str, Any] = {
+        "index": 0,
+        "message": {"role": "assistant", "content": text},
+        "logprobs": None,
+        "finish_reason": finish,
+    }
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "usage": use,
+    }
+
+
+def chat_chunk(
+    rid: str,
+    model: str,
+    delta: dict,
+    finish: str | None,
+    use: dict | None = None,
+    token_ids: list[int] | None = None,
+    empty: bool = False,
+) -> dict:
+    choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    chunk: dict[str, Any] = {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [] if empty else [choice],
+    }
+    if use is not None:
+        chunk["usage"] = use
+    return chunk

@@ -1,0 +1,86 @@
+"""Small random Hugging Face checkpoints for tests, written by `transformers` itself."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] "
+    "+ '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{% endif %}"
+)
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Experts route tokens; the router picks the top k experts for every token.",
+    "Mixture of experts models serve many requests at once on many GPUs.",
+    "A paged key value cache stores attention keys in fixed size blocks.",
+    "Héllo wörld, naïve café — unicode text with accents and emoji 🙂.",
+    "0123456789 + - * / = ( ) [ ] { } < > , ; : ! ?",
+]
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def build_tokenizer(out_dir: Path, vocab_size: int = 400) -> Any:
+    """A byte-level BPE tokenizer trained on a small corpus, saved as transformers does."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(CORPUS * 20, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+def write_qwen3_moe_checkpoint(
+    out_dir: Path, seed: int = 0, max_shard_size: str | None = None, **overrides: Any
+) -> Path:
+    """Random Qwen3-MoE weights saved with `save_pretrained`, plus a tokenizer."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(out_dir)
+    params: dict[str, Any] = dict(
+        vocab_size=max(len(tokenizer), 256) + 7,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],
+        max_position_embeddings=512,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+    )
+    params.update(overrides)
+    config = Qwen3MoeConfig(**params)
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(config)
+    # Larger than the default init so that greedy choices are well separated.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, 0.08)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out_dir, **kwargs)
+    return out_dir

@@ -1,0 +1,48 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from checkpoints import write_qwen3_moe_checkpoint  # noqa: E402
+from serving import Server, start_server, stop_server  # noqa: E402
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except ImportError:
+        has_cuda = False
+    if has_cuda:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default small random Qwen3-MoE checkpoint with a BPE tokenizer and chat template."""
+    return write_qwen3_moe_checkpoint(tmp_path_factory.mktemp("ckpt"), seed=0)
+
+
+@pytest.fixture
+def server_factory(tmp_path: Path) -> Iterator:
+    started: list[subprocess.Popen] = []
+
+    def make(args: list[str], **kw: object) -> Server:
+        s = start_server(args, tmp_path / f"server{len(started)}.log", **kw)
+        started.append(s.proc)
+        return s
+
+    yield make
+    for p in started:
+        stop_server(p)

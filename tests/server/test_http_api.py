@@ -1,0 +1,357 @@
+"""A real server process, a real client (`openai`), a checkpoint written by `transformers`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+from checkpoints import write_qwen3_moe_checkpoint
+from serving import Server, start_server, stop_server
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+KEY = "test-key"
+MODEL = "qwen3-moe-test"
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # A long context so that a long generation can be cut off by a disconnect.
+    return write_qwen3_moe_checkpoint(
+        tmp_path_factory.mktemp("http"), seed=11, max_position_embeddings=4096
+    )
+
+
+@pytest.fixture(scope="module")
+def server(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    log = tmp_path_factory.mktemp("log") / "server.log"
+    s = start_server(
+        [
+            "--model",
+            str(ckpt),
+            "--served-model-name",
+            MODEL,
+            "--api-key",
+            KEY,
+            "--chunked-prefill-size",
+            "8",
+            "--max-num-batched-tokens",
+            "64",
+            "--max-model-len",
+            "2048",
+            "--max-request-body-bytes",
+            "65536",
+        ],
+        log,
+    )
+    yield s
+    stop_server(s.proc)
+
+
+@pytest.fixture(scope="module")
+def hf(ckpt: Path):
+    return AutoModelForCausalLM.from_pretrained(
+        ckpt, dtype=torch.float32
+    ).eval(), AutoTokenizer.from_pretrained(ckpt)
+
+
+def _client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+
+
+def _hf_greedy(hf, prompt_ids: list[int], n: int) -> list[int]:
+    model, tok = hf
+    out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False)[
+        0, len(prompt_ids) :
+    ].tolist()
+    eos = {tok.convert_tokens_to_ids("<|im_end|>")}
+    for i, t in enumerate(out):
+        if t in eos:
+            return out[:i]
+    return out
+
+
+def _metric(server: Server, name: str) -> float:
+    text = httpx.get(server.url + "/metrics").text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+PROMPTS = [
+    "The quick",
+    "Experts route tokens; the router picks the top k experts for every token in the batch.",
+    "A paged key value cache stores attention keys in fixed size blocks, and mixture of experts models "
+    "serve many requests at once on many GPUs.",
+    "Héllo wörld 🙂",
+]
+
+
+def test_concurrent_greedy_completions_equal_transformers(server: Server, hf) -> None:
+    _, tok = hf
+    prompt_ids = [tok(p)["input_ids"] for p in PROMPTS]
+    assert max(len(p) for p in prompt_ids) > 8  # longer than --chunked-prefill-size
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+
+    async def one(p: str):
+        return await client.completions.create(
+            model=MODEL,
+            prompt=p,
+            max_tokens=32,
+            temperature=0.0,
+            extra_body={"return_token_ids": True},
+        )
+
+    async def all_at_once():
+        return await asyncio.gather(*(one(p) for p in PROMPTS))
+
+    results = asyncio.run(all_at_once())
+    for ids, res in zip(prompt_ids, results, strict=True):
+        ref = _hf_greedy(hf, ids, 32)
+        choice = res.choices[0]
+        assert choice.model_extra["token_ids"] == ref
+        assert choice.text == tok.decode(ref, skip_special_tokens=True)
+        assert res.usage.prompt_tokens == len(ids)
+        assert choice.finish_reason == ("length" if len(ref) == 32 else "stop")
+
+
+def test_token_id_prompt_and_chat_template(server: Server, hf) -> None:
+    _, tok = hf
+    client = _client(server)
+    ids = [5, 77, 130, 2, 9]
+    res = client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=16, temperature=0, extra_body={"return_token_ids": True}
+    )
+    assert res.choices[0].model_extra["token_ids"] == _hf_greedy(hf, ids, 16)
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Route the tokens."},
+    ]
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=20,
+        temperature=0,
+        extra_body={"return_token_ids": True},
+    )
+    chat_ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(chat_ids, dict) or hasattr(chat_ids, "input_ids"):
+        chat_ids = chat_ids["input_ids"]
+    ref = _hf_greedy(hf, list(chat_ids), 20)
+    assert chat.choices[0].model_extra["token_ids"] == ref
+    assert chat.choices[0].message.content == tok.decode(ref, skip_special_tokens=True)
+    assert chat.usage.prompt_tokens == len(chat_ids)
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_stream_concatenation_equals_non_streamed(server: Server, endpoint: str) -> None:
+    client = _client(server)
+    kw = dict(model=MODEL, max_tokens=40, temperature=0.0)
+    if endpoint == "completions":
+        full = client.completions.create(prompt="Mixture of experts", **kw)
+        stream = client.completions.create(
+            prompt="Mixture of experts", stream=True, stream_options={"include_usage": True}, **kw
+        )
+        chunks = list(stream)
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        full_text = full.choices[0].text
+    else:
+        msgs = [{"role": "user", "content": "Mixture of experts"}]
+        full = client.chat.completions.create(messages=msgs, **kw)
+        stream = client.chat.completions.create(
+            messages=msgs, stream=True, stream_options={"include_usage": True}, **kw
+        )
+        chunks = list(stream)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        full_text = full.choices[0].message.content
+    assert len([c for c in chunks if c.choices]) > 2  # it really streamed
+    assert text == full_text
+    finishes = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
+    assert finishes == [full.choices[0].finish_reason]
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_stream_ends_with_done_and_stop_string_cuts_text(server: Server) -> None:
+    client = _client(server)
+    base = client.completions.create(
+        model=MODEL,
+        prompt="The quick brown",
+        max_tokens=30,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    text = base.choices[0].text
+    assert len(text) > 6
+    stop = text[3:6]
+    first = text.index(stop)
+    cut = client.completions.create(
+        model=MODEL,
+        prompt="The quick brown",
+        max_tokens=30,
+        temperature=0,
+        stop=[stop],
+        extra_body={"ignore_eos": True},
+    )
+    assert cut.choices[0].text == text[:first]
+    assert cut.choices[0].finish_reason == "stop"
+    with httpx.stream(
+        "POST",
+        server.url + "/v1/completions",
+        headers={"Authorization": f"Bearer {KEY}"},
+        json={
+            "model": MODEL,
+            "prompt": "The quick brown",
+            "max_tokens": 30,
+            "temperature": 0,
+            "stop": [stop],
+            "ignore_eos": True,
+            "stream": True,
+        },
+    ) as r:
+        events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    streamed = "".join(json.loads(e[6:])["choices"][0]["text"] for e in events[:-1])
+    assert streamed == text[:first]
+
+
+BAD = [
+    ("malformed json", b'{"model": "m", "prompt": ', 400),
+    ("not an object", [1, 2, 3], 400),
+    ("wrong type", {"model": MODEL, "prompt": "hi", "max_tokens": "ten"}, 400),
+    ("empty prompt", {"model": MODEL, "prompt": ""}, 400),
+    ("empty id list", {"model": MODEL, "prompt": []}, 400),
+    ("max_tokens 0", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400),
+    ("too long", {"model": MODEL, "prompt": "hi", "max_tokens": 5000}, 400),
+    ("temperature", {"model": MODEL, "prompt": "hi", "temperature": 2.5}, 400),
+    ("top_p", {"model": MODEL, "prompt": "hi", "top_p": 0.0}, 400),
+    ("n>1", {"model": MODEL, "prompt": "hi", "n": 2}, 400),
+    ("bad token id", {"model": MODEL, "prompt": [1, 10**7]}, 400),
+    ("missing prompt", {"model": MODEL}, 400),
+    ("unknown model", {"model": "gpt-9", "prompt": "hi"}, 404),
+]
+
+
+@pytest.mark.parametrize("name,body,status", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_gets_its_status_and_server_keeps_serving(
+    server: Server, name: str, body, status: int
+) -> None:
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(server.url + "/v1/completions", content=content, headers=headers)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"] and err["code"]
+    ok = _client(server).completions.create(
+        model=MODEL, prompt="still here", max_tokens=2, temperature=0
+    )
+    assert ok.choices[0].finish_reason in ("length", "stop")
+
+
+def test_chat_bad_inputs(server: Server) -> None:
+    headers = {"Authorization": f"Bearer {KEY}"}
+    for body in (
+        {"model": MODEL, "messages": []},
+        {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]},
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "x"}],
+            "max_completion_tokens": -1,
+        },
+    ):
+        r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=headers)
+        assert r.status_code == 400, (body, r.text)
+
+
+def test_auth_and_body_size(server: Server) -> None:
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+    assert httpx.post(server.url + "/v1/completions", json=body).status_code == 401
+    r = httpx.post(
+        server.url + "/v1/completions", json=body, headers={"Authorization": "Bearer nope"}
+    )
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(server.url + "/v1/models").status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    big = {"model": MODEL, "prompt": "x" * 100_000}
+    r = httpx.post(
+        server.url + "/v1/completions", json=big, headers={"Authorization": f"Bearer {KEY}"}
+    )
+    assert r.status_code == 413
+    # Health, readiness and metrics need no key.
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.get(server.url + "/ready").status_code == 200
+    assert [m.id for m in _client(server).models.list()] == [MODEL]
+
+
+def test_metrics_exposed(server: Server) -> None:
+    _client(server).completions.create(model=MODEL, prompt="count me", max_tokens=4, temperature=0)
+    text = httpx.get(server.url + "/metrics").text
+    for name in (
+        "safeserve:requests_total",
+        "safeserve:time_to_first_token_seconds_count",
+        "safeserve:time_per_output_token_seconds_count",
+        "safeserve:num_requests_running",
+        "safeserve:num_requests_waiting",
+        "safeserve:kv_blocks_used",
+        "safeserve:kv_blocks_total",
+        "safeserve:rank_heartbeat_age_seconds",
+    ):
+        assert name in text, name
+    assert re.search(
+        r'safeserve:requests_total\{endpoint="/v1/completions",status="200"\} [1-9]', text
+    )
+    assert _metric(server, "safeserve:kv_blocks_total") > 0
+    assert _metric(server, "safeserve:rank_heartbeat_age_seconds") < 5
+
+
+def test_disconnect_mid_stream_frees_kv_blocks(server: Server) -> None:
+    deadline = time.monotonic() + 10
+    while _metric(server, "safeserve:kv_blocks_used") != 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    baseline = _metric(server, "safeserve:kv_blocks_used")
+    assert baseline == 0
+    body = {
+        "model": MODEL,
+        "prompt": "a long answer please",
+        "max_tokens": 1900,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with (
+        httpx.Client(timeout=30) as c,
+        c.stream(
+            "POST",
+            server.url + "/v1/completions",
+            json=body,
+            headers={"Authorization": f"Bearer {KEY}"},
+        ) as r,
+    ):
+        lines = r.iter_lines()
+        got = 0
+        for line in lines:
+            if line.startswith("data: "):
+                got += 1
+            if got >= 20:
+                break
+        assert _metric(server, "safeserve:kv_blocks_used") > baseline
+    # The response is closed: the engine must drop the request and return its blocks, long
+    # before 1,900 tokens could have been generated.
+    closed = time.monotonic()
+    while _metric(server, "safeserve:kv_blocks_used") != baseline:
+        assert time.monotonic() - closed < 3.0, "KV blocks not returned after the disconnect"
+        time.sleep(0.05)
+    gen_before = _metric(server, "safeserve:generation_tokens_total")
+    time.sleep(0.5)
+    assert _metric(server, "safeserve:generation_tokens_total") == gen_before

@@ -1,0 +1,66 @@
+"""Start-up, readiness and failure of the real processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import psutil
+import pytest
+from checkpoints import write_qwen3_moe_checkpoint
+
+
+def test_tiny_model_serves_chat_by_default(server_factory) -> None:
+    s = server_factory([])
+    client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
+    assert [m.id for m in client.models.list()] == ["tiny"]
+    r = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=8
+    )
+    assert r.choices[0].message.content
+    assert r.usage.completion_tokens >= 1
+
+
+def test_broken_checkpoint_exits_non_zero_with_reason(tmp_path: Path) -> None:
+    ckpt = write_qwen3_moe_checkpoint(tmp_path / "ck", seed=1)
+    (ckpt / "model.safetensors").unlink()
+    r = subprocess.run(
+        [sys.executable, "-m", "safeserve.cli", "serve", "--model", str(ckpt), "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode != 0
+    assert "no *.safetensors files" in r.stdout + r.stderr
+
+
+def test_dead_leader_makes_ready_and_requests_fail_fast(server_factory) -> None:
+    s = server_factory(["--max-model-len", "4096"])
+    leaders = [
+        p
+        for p in psutil.Process(s.proc.pid).children(recursive=True)
+        if "python" in p.name().lower()
+    ]
+    assert leaders
+    client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=20)
+    stream = client.completions.create(
+        model="tiny", prompt="go", max_tokens=4000, stream=True, extra_body={"ignore_eos": True}
+    )
+    next(iter(stream))
+    for p in leaders:
+        os.kill(p.pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    # The stream must end with an error event the client understands, not hang.
+    with pytest.raises(openai.APIError, match="failed"):
+        list(stream)
+    assert time.monotonic() - t0 < 5
+    assert httpx.get(s.url + "/ready").status_code == 503
+    assert httpx.get(s.url + "/health").status_code == 503
+    r = httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": "hi"})
+    assert r.status_code == 503 and "Retry-After" in r.headers

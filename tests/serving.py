@@ -1,0 +1,72 @@
+"""Start and stop real `safeserve serve` processes for tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    url: str
+    log: Path
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+def start_server(
+    args: list[str], log: Path, timeout: float = 120.0, env: dict | None = None
+) -> Server:
+    port = free_port()
+    cmd = [sys.executable, "-m", "safeserve.cli", "serve", "--port", str(port), *args]
+    fh = log.open("w")
+    proc = subprocess.Popen(
+        cmd,
+        stdout=fh,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env={**os.environ, **(env or {})},
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text()}")
+        try:
+            if httpx.get(url + "/ready", timeout=1.0).status_code == 200:
+                return Server(proc, url, log)
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    stop_server(proc)
+    raise RuntimeError(f"server not ready after {timeout} s:\n{log.read_text()}")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """Stops the server and every process of its session (the group's ranks too)."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=15)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=5)

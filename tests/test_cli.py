@@ -1,0 +1,63 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from safeserve.config import ConfigError, ServerArgs
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "safeserve.cli", *args], capture_output=True, text=True, timeout=60
+    )
+
+
+def test_help_lists_grouped_flags() -> None:
+    r = _cli("serve", "--help")
+    assert r.returncode == 0
+    for title in ("model:", "HTTP server:", "scheduling and KV cache:", "parallelism:"):
+        assert title in r.stdout
+    for flag in (
+        "--model",
+        "--host",
+        "--port",
+        "--seed",
+        "--dtype",
+        "--device",
+        "--load-format",
+        "--chunked-prefill-size",
+        "--max-running-requests",
+        "--api-key",
+    ):
+        assert flag in r.stdout
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--max-running-requests", "0"], "--max-running-requests must be at least 1"),
+        (["--dtype", "int3"], "invalid choice"),
+        (["--model", "/nonexistent/dir"], "neither 'tiny' nor a local checkpoint"),
+    ],
+)
+def test_bad_flags_exit_non_zero_with_one_line(args: list[str], message: str) -> None:
+    r = _cli("serve", *args)
+    assert r.returncode == 2
+    assert message in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_server_args_checks() -> None:
+    with pytest.raises(ConfigError):
+        ServerArgs(block_size=0)
+    assert ServerArgs(chunked_prefill_size=4096, max_num_batched_tokens=512).prefill_chunk == 512
+    assert ServerArgs(model="tiny", served_model_name="x").model_name == "x"
+
+
+def test_bad_checkpoint_fails_start_with_clear_error(tmp_path) -> None:
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    r = _cli("serve", "--model", str(tmp_path), "--port", "0")
+    assert r.returncode == 2
+    assert "model_type 'llama' is not supported" in r.stderr
