@@ -97,7 +97,9 @@ class Engine:
             args.prefill_chunk,
         )
         # The tokenizer's files (generation_config.json, eos_token) may name more stop ids.
-        self.eos_token_ids = set(load_tokenizer(args.model, cfg.eos_token_ids).eos_token_ids)
+        self.eos_token_ids = set(
+            load_tokenizer(args.model, cfg.eos_token_ids, args.load_format == "dummy").eos_token_ids
+        )
         self.step_id = 0
         self.on_phase = on_phase or (lambda step, phase: None)
         logger.info(

@@ -7,11 +7,14 @@ Both render chat messages with a Jinja chat template (from `tokenizer_config.jso
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any, Protocol
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+logger = logging.getLogger(__name__)
 
 
 class TokenizerError(ValueError):
@@ -150,9 +153,16 @@ class ByteTokenizer:
         return self.chat_template.render(messages)
 
 
-def load_tokenizer(model: str, config_eos_ids: list[int] | None = None) -> Tokenizer:
+def load_tokenizer(
+    model: str, config_eos_ids: list[int] | None = None, allow_byte_fallback: bool = False
+) -> Tokenizer:
+    """`allow_byte_fallback`: a config-only directory (`--load-format dummy`) gets the byte-level
+    tokenizer, so benchmarks can run from a `config.json` alone."""
     from safeserve.config import TINY_MODEL
 
     if model == TINY_MODEL:
+        return ByteTokenizer()
+    if allow_byte_fallback and not (Path(model) / "tokenizer.json").exists():
+        logger.warning("no tokenizer.json in %s: using the byte-level tokenizer", model)
         return ByteTokenizer()
     return HFTokenizer(model, config_eos_ids)

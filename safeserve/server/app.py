@@ -72,7 +72,9 @@ class ServerState:
     def __init__(self, args: ServerArgs, on_fatal: Callable[[str], None]) -> None:
         self.args = args
         self.model_config = load_model_config(args.model)
-        self.tokenizer: Tokenizer = load_tokenizer(args.model, self.model_config.eos_token_ids)
+        self.tokenizer: Tokenizer = load_tokenizer(
+            args.model, self.model_config.eos_token_ids, args.load_format == "dummy"
+        )
         self.metrics = Metrics()
         self.on_fatal = on_fatal
         self.group: GroupClient | None = None

@@ -105,3 +105,37 @@ def test_config_rules() -> None:
         ModelConfig.from_dict({**base, "model_type": "llama"})
     with pytest.raises(ModelConfigError, match="rope_type"):
         ModelConfig.from_dict({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+
+
+def test_dummy_load_format_needs_only_config_json(tmp_path: Path) -> None:
+    import json
+
+    from safeserve.config import ServerArgs
+    from safeserve.engine.engine import Engine
+    from safeserve.messages import SamplingParams
+
+    cfg = dict(
+        model_type="qwen3_moe",
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=128,
+    )
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    engine = Engine(ServerArgs(model=str(tmp_path), load_format="dummy", seed=5))
+    assert engine.model.layers[0].mlp.experts.w13.abs().sum() > 0  # really initialized
+    engine.add_request(
+        "a", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    )
+    tokens = []
+    while engine.has_work():
+        for o in engine.step():
+            tokens += o.new_token_ids
+    assert len(tokens) == 4 and all(0 <= t < 300 for t in tokens)
