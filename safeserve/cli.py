@@ -10,21 +10,40 @@ from safeserve.config import ConfigError, ServerArgs
 
 
 def _serve(ns: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=ns.log_level.upper(),
+        format="%(asctime)s [frontend] %(levelname)s %(name)s: %(message)s",
+    )
     try:
         args = ServerArgs.from_cli_args(ns)
     except ConfigError as e:
         print(f"safeserve: error: {e}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s [frontend] %(levelname)s %(name)s: %(message)s",
-    )
     import uvicorn
 
+    from safeserve.engine.parallel import Layout
     from safeserve.model.config import ModelConfigError
-    from safeserve.model.loader import LoadError
+    from safeserve.model.loader import LoadError, load_model_config
+    from safeserve.model.sharding import LayoutError, check_layout
     from safeserve.model.tokenizer import TokenizerError
     from safeserve.server.app import build_app
+
+    # Everything that can be known wrong is refused here, before any process is spawned.
+    try:
+        cfg = load_model_config(args.model)
+        for rank in range(args.tp_size):
+            check_layout(cfg, Layout(rank, args.tp_size, args.ep_size, args.enable_dp_attention))
+        if args.device == "cuda":
+            import torch
+
+            if torch.cuda.device_count() < args.tp_size:
+                raise LayoutError(
+                    f"--tp-size {args.tp_size} needs {args.tp_size} CUDA devices; "
+                    f"{torch.cuda.device_count()} visible"
+                )
+    except (ModelConfigError, LoadError, LayoutError) as e:
+        print(f"safeserve: error: {e}", file=sys.stderr)
+        return 2
 
     fatal: list[str] = []
     server: uvicorn.Server | None = None

@@ -151,11 +151,25 @@ class ServerArgs:
             raise ConfigError("--max-request-body-bytes must be at least 1024")
         if self.moe_a2a_backend == "deepep":
             raise ConfigError("--moe-a2a-backend deepep is not available yet; use none or alltoall")
-        if self.tp_size != 1 or self.ep_size != 1 or self.enable_dp_attention:
-            raise ConfigError(
-                "multi-rank groups (--tp-size/--ep-size > 1, --enable-dp-attention) are not "
-                "available yet; use one rank per group"
+        self._apply_layout_rules()
+
+    def _apply_layout_rules(self) -> None:
+        """Peer semantics (REFERENCE.md section 1): an all-to-all backend spans the TP group."""
+        if self.ep_size > self.tp_size:
+            raise ConfigError(f"--ep-size {self.ep_size} cannot exceed --tp-size {self.tp_size}")
+        if self.moe_a2a_backend != "none" and self.ep_size != self.tp_size:
+            logger.info(
+                "The expert parallel size is adjusted to the tensor parallel size: ep_size %d -> %d "
+                "(--moe-a2a-backend %s spans the whole TP group)",
+                self.ep_size,
+                self.tp_size,
+                self.moe_a2a_backend,
             )
+            self.ep_size = self.tp_size
+        if self.tp_size % self.ep_size:
+            raise ConfigError(f"--ep-size {self.ep_size} must divide --tp-size {self.tp_size}")
+        if self.enable_dp_attention and self.tp_size < 2:
+            raise ConfigError("--enable-dp-attention needs --tp-size of at least 2")
 
     @property
     def model_name(self) -> str:

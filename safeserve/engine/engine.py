@@ -1,76 +1,44 @@
-"""The engine of a group leader: `schedule -> run -> postprocess`, one step at a time."""
+"""The engine of a group leader: `schedule -> run -> postprocess`, one step at a time.
+
+The leader owns the scheduler and the requests; each step's plan goes to every rank of the
+group (a gloo broadcast), every rank runs its part through its `ModelRunner`, and the tokens
+sampled on each rank come back to the leader (a gloo gather).
+"""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
 
-import torch
-
 from safeserve.config import ServerArgs
-from safeserve.engine.attention import AttentionMetadata
-from safeserve.engine.kv_cache import BlockAllocator, KVCache
+from safeserve.engine.kv_cache import BlockAllocator
+from safeserve.engine.model_runner import ModelRunner
+from safeserve.engine.plan import SeqPlan, StepPlan
 from safeserve.engine.request import Request
-from safeserve.engine.sampler import sample
 from safeserve.engine.scheduler import Scheduler, SchedulerOutput
 from safeserve.messages import EngineStats, RequestOutput, SamplingParams
-from safeserve.model.loader import DTYPES, build_model
-from safeserve.model.qwen3_moe import Qwen3MoeForCausalLM
 from safeserve.model.tokenizer import load_tokenizer
-from safeserve.moe.dispatch import LocalDispatcher
-from safeserve.moe.placement import ExpertPlacement
 
 logger = logging.getLogger(__name__)
 
 PhaseCallback = Callable[[int, str], None]
 
 
-def _num_kv_blocks(args: ServerArgs, net: Qwen3MoeForCausalLM, max_model_len: int) -> int:
-    cfg = net.config
-    per_block = KVCache.bytes_per_block(
-        cfg.num_hidden_layers,
-        args.block_size,
-        cfg.num_key_value_heads,
-        cfg.head_dim,
-        DTYPES[args.dtype],
-    )
-    if args.num_kv_blocks is not None:
-        return args.num_kv_blocks
-    if args.device == "cuda":
-        free, total = torch.cuda.mem_get_info()
-        budget = free - (1 - args.mem_fraction_static) * total
-        if budget <= per_block:
-            raise RuntimeError(
-                "no device memory left for the KV cache; lower --mem-fraction-static"
-            )
-        blocks = int(budget // per_block)
-    else:
-        blocks = int(args.kv_cache_memory_gb * (1 << 30) // per_block)
-    # More than every running request at full length is never used.
-    useful = args.max_running_requests * ((max_model_len + args.block_size - 1) // args.block_size)
-    return max(2, min(blocks, useful))
-
-
 class Engine:
-    """Owns the model, the KV cache and the scheduler of one group (single rank for now)."""
+    """The leader's engine; `runner` is rank 0's ModelRunner (it starts the group's collectives)."""
 
-    def __init__(self, args: ServerArgs, on_phase: PhaseCallback | None = None) -> None:
+    def __init__(
+        self,
+        args: ServerArgs,
+        runner: ModelRunner | None = None,
+        on_phase: PhaseCallback | None = None,
+    ) -> None:
         self.args = args
-        self.device = torch.device(args.device)
-        placement = ExpertPlacement(_num_experts_or_one(args))
-        self.model = build_model(
-            args.model,
-            args.load_format,
-            args.dtype,
-            args.device,
-            placement,
-            LocalDispatcher(placement),
-            args.seed,
-        )
-        cfg = self.model.config
-        self.config = cfg
-        max_len = args.max_model_len or cfg.max_position_embeddings
-        self.num_blocks = _num_kv_blocks(args, self.model, max_len)
+        self.runner = runner or ModelRunner(args, 0, on_phase=on_phase)
+        self.on_phase = on_phase or self.runner.on_phase
+        cfg = self.config = self.runner.config
+        self.num_blocks = self.runner.num_blocks
+        max_len = self.runner.max_model_len
         capacity = self.num_blocks * args.block_size
         if max_len > capacity:
             logger.warning(
@@ -80,30 +48,21 @@ class Engine:
             )
             max_len = capacity
         self.max_model_len = max_len
-        self.allocator = BlockAllocator(self.num_blocks, args.block_size)
-        self.kv = KVCache(
-            cfg.num_hidden_layers,
-            self.num_blocks,
-            args.block_size,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-            DTYPES[args.dtype],
-            self.device,
-        )
+        dp_size = self.runner.layout.dp_size
         self.scheduler = Scheduler(
-            self.allocator,
+            [BlockAllocator(self.num_blocks, args.block_size) for _ in range(dp_size)],
             args.max_running_requests,
             args.max_num_batched_tokens,
             args.prefill_chunk,
         )
         # The tokenizer's files (generation_config.json, eos_token) may name more stop ids.
-        self.eos_token_ids = set(
-            load_tokenizer(args.model, cfg.eos_token_ids, args.load_format == "dummy").eos_token_ids
-        )
+        tokenizer = load_tokenizer(args.model, cfg.eos_token_ids, args.load_format == "dummy")
+        self.eos_token_ids = set(tokenizer.eos_token_ids)
         self.step_id = 0
-        self.on_phase = on_phase or (lambda step, phase: None)
         logger.info(
-            "engine ready: %d KV blocks of %d tokens, max model length %d, chunk %d, budget %d",
+            "engine ready: %d attention rank(s) x %d KV blocks of %d tokens, max model length %d, "
+            "chunk %d, budget %d",
+            dp_size,
             self.num_blocks,
             args.block_size,
             self.max_model_len,
@@ -132,8 +91,8 @@ class Engine:
             step=self.step_id,
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
-            kv_blocks_used=self.allocator.num_used,
-            kv_blocks_total=self.allocator.num_blocks,
+            kv_blocks_used=self.scheduler.num_blocks_used,
+            kv_blocks_total=self.scheduler.num_blocks_total,
             num_preemptions=self.scheduler.num_preemptions,
         )
 
@@ -141,62 +100,62 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         self.step_id += 1
         self.on_phase(self.step_id, "schedule")
-        plan = self.scheduler.schedule()
-        if not plan.scheduled:
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
             return []
-        self.on_phase(self.step_id, "attention")
-        logits = self._run(plan)
-        self.on_phase(self.step_id, "sample")
-        return self._postprocess(plan, logits)
+        plan = self.build_plan(sched)
+        tokens = self.run(plan)
+        return self._postprocess(sched, tokens)
 
-    def _run(self, plan: SchedulerOutput) -> torch.Tensor:
-        ids: list[int] = []
-        positions: list[int] = []
-        q_lens, ctx_lens, tables, sample_rows = [], [], [], []
-        for s in plan.scheduled:
-            start, end = s.req.num_computed, s.req.num_computed + s.num_tokens
-            ids.extend(s.req.token_ids[start:end])
-            positions.extend(range(start, end))
-            q_lens.append(s.num_tokens)
-            ctx_lens.append(end)
-            tables.append(s.req.block_ids)
-            if s.samples:
-                sample_rows.append(len(ids) - 1)
-        meta = AttentionMetadata.build(q_lens, ctx_lens, tables, self.args.block_size, self.device)
-        hidden = self.model(
-            torch.tensor(ids, device=self.device),
-            torch.tensor(positions, device=self.device),
-            meta,
-            self.kv.layers,
-        )
-        if not sample_rows:
-            return torch.empty(0)
-        return self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
-
-    def forward_logits(self, plan: SchedulerOutput) -> torch.Tensor:
-        """Runs a plan and returns the logits of its sampling rows (for tests and tools)."""
-        return self._run(plan)
-
-    def _postprocess(self, plan: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
-        sampling = [s for s in plan.scheduled if s.samples]
-        for s in plan.scheduled:
-            s.req.num_computed += s.num_tokens
-        if not sampling:
-            return []
-        tokens = sample(
-            logits,
-            [s.req.params for s in sampling],
-            [s.req.num_output_tokens for s in sampling],
-            self.args.seed,
-        )
-        outputs = []
-        for s, tok in zip(sampling, tokens, strict=True):
+    def build_plan(self, sched: SchedulerOutput) -> StepPlan:
+        per_rank: list[list[SeqPlan]] = [[] for _ in range(self.scheduler.dp_size)]
+        for s in sched.scheduled:
             req = s.req
+            start = req.num_computed
+            per_rank[req.dp_rank].append(
+                SeqPlan(
+                    req.token_ids[start : start + s.num_tokens],
+                    start,
+                    list(req.block_ids),
+                    req.params if s.samples else None,
+                    req.num_output_tokens,
+                )
+            )
+        return StepPlan(self.step_id, per_rank)
+
+    def run(self, plan: StepPlan) -> list[list[int]]:
+        """Every rank runs the plan; returns the sampled tokens of each attention rank."""
+        comm = self.runner.comm
+        comm.broadcast_object(plan)
+        mine = self.runner.execute(plan)
+        gathered = comm.gather_objects(mine)
+        assert gathered is not None
+        if self.runner.layout.dp_attention:
+            return gathered  # type: ignore[return-value]
+        return [mine]
+
+    def broadcast_idle(self) -> None:
+        """Tells the other ranks the leader is alive while there is no work."""
+        self.runner.comm.broadcast_object(StepPlan(self.step_id, idle=True))
+
+    def shutdown(self) -> None:
+        self.runner.comm.broadcast_object(StepPlan(self.step_id, shutdown=True))
+        self.runner.comm.shutdown()
+
+    def _postprocess(self, sched: SchedulerOutput, tokens: list[list[int]]) -> list[RequestOutput]:
+        # Tokens come back per attention rank, in the order of that rank's sampling sequences.
+        queues = [iter(t) for t in tokens]
+        sampled: list[tuple[Request, int]] = []
+        for s in sched.scheduled:
+            if s.samples:
+                sampled.append((s.req, next(queues[s.req.dp_rank])))
+        for s in sched.scheduled:
+            s.req.num_computed += s.num_tokens
+        outputs = []
+        for req, tok in sampled:
             req.token_ids.append(tok)
             reason = self._finish_reason(req, tok)
-            new = [tok]
-            if reason == "stop":
-                new = []  # the stop token itself is not part of the answer
+            new = [] if reason == "stop" else [tok]  # the stop token is not part of the answer
             if reason is not None:
                 self.scheduler.finish(req, reason)
             outputs.append(
@@ -213,7 +172,16 @@ class Engine:
         return None
 
 
-def _num_experts_or_one(args: ServerArgs) -> int:
-    from safeserve.model.loader import load_model_config
-
-    return max(1, load_model_config(args.model).num_experts)
+def follower_loop(runner: ModelRunner, on_idle: Callable[[int], None]) -> None:
+    """Ranks 1..n-1: run every plan the leader broadcasts until it says shut down."""
+    while True:
+        plan = runner.comm.broadcast_object(None)
+        assert isinstance(plan, StepPlan)
+        if plan.shutdown:
+            runner.comm.shutdown()
+            return
+        if plan.idle:
+            on_idle(plan.step)
+            continue
+        tokens = runner.execute(plan)
+        runner.comm.gather_objects(tokens)

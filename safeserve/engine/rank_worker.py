@@ -57,46 +57,74 @@ class _Heartbeats:
             pass  # the frontend is behind; the next beat says the same thing
 
 
-def run_leader(args: ServerArgs, group: int, addrs: GroupAddresses) -> None:
-    """Entry point of a group leader process (spawned by the frontend)."""
+def _setup(args: ServerArgs, group: int, rank: int) -> None:
     logging.basicConfig(
         level=args.log_level.upper(),
-        format=f"%(asctime)s [group {group} rank 0] %(levelname)s %(message)s",
+        format=f"%(asctime)s [group {group} rank {rank}] %(levelname)s %(message)s",
     )
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the frontend decides when we stop
+    # Ctrl-C reaches the whole process group: the frontend decides when ranks stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _fatal(out: zmq.Socket, group: int, rank: int, what: str, e: BaseException) -> None:
+    logger.error("%s: %s", what, traceback.format_exc())
+    out.send(pickle.dumps(GroupFatal(group, rank, f"{what}: {type(e).__name__}: {e}")))
+    out.close(linger=2000)
+    os._exit(1)
+
+
+def run_rank(
+    args: ServerArgs, group: int, rank: int, addrs: GroupAddresses, init_method: str
+) -> None:
+    """Entry point of every rank process of a group (spawned by the frontend)."""
+    _setup(args, group, rank)
     parent = os.getppid()
     ctx = zmq.Context()
     out = ctx.socket(zmq.PUSH)
     out.setsockopt(zmq.LINGER, 1000)
     out.connect(addrs.outputs)
-    inp = ctx.socket(zmq.PULL)
-    inp.connect(addrs.requests)
-    hb = _Heartbeats(ctx, addrs.heartbeats, group, 0)
-    hb.beat(0, "idle")
+    hb = _Heartbeats(ctx, addrs.heartbeats, group, rank)
+    hb.beat(0, "starting")
     try:
         import torch
 
-        from safeserve.engine.engine import Engine
+        from safeserve.engine.model_runner import ModelRunner
 
         torch.manual_seed(args.seed)
-        engine = Engine(args, on_phase=hb.beat)
-        _warm_up(engine)
+        runner = ModelRunner(args, rank, init_method, on_phase=hb.beat)
     except Exception as e:  # start-up failure: tell the frontend in one line, then exit
-        logger.error("start-up failed: %s", traceback.format_exc())
-        out.send(pickle.dumps(GroupFatal(group, 0, f"{type(e).__name__}: {e}")))
-        out.close(linger=2000)
-        os._exit(1)
-    out.send(
-        pickle.dumps(
-            GroupReady(
-                group,
-                engine.max_model_len,
-                engine.num_blocks,
-                args.block_size,
-                engine.config.vocab_size,
-            )
-        )
+        _fatal(out, group, rank, "start-up failed", e)
+    if rank == 0:
+        _lead(args, group, runner, out, ctx, addrs, hb, parent)
+        return
+    from safeserve.engine.engine import follower_loop
+
+    def on_idle(step: int) -> None:
+        hb.beat(step, "idle")
+        if os.getppid() != parent:
+            os._exit(0)
+
+    try:
+        follower_loop(runner, on_idle)
+    except Exception as e:  # the leader went away mid-collective, or a step failed
+        _fatal(out, group, rank, "step failed", e)
+    logger.info("shut down")
+
+
+def _lead(args, group, runner, out, ctx, addrs, hb, parent) -> None:  # type: ignore[no-untyped-def]
+    from safeserve.engine.engine import Engine
+
+    inp = ctx.socket(zmq.PULL)
+    inp.connect(addrs.requests)
+    try:
+        engine = Engine(args, runner, on_phase=hb.beat)
+        _warm_up(engine)
+    except Exception as e:
+        _fatal(out, group, 0, "start-up failed", e)
+    ready = GroupReady(
+        group, engine.max_model_len, engine.num_blocks, args.block_size, engine.config.vocab_size
     )
+    out.send(pickle.dumps(ready))
     poller = zmq.Poller()
     poller.register(inp, zmq.POLLIN)
     last_stats = 0.0
@@ -112,24 +140,21 @@ def run_leader(args: ServerArgs, group: int, addrs: GroupAddresses) -> None:
                     break
                 if isinstance(msg, Shutdown):
                     logger.info("shutting down")
+                    engine.shutdown()
                     out.close(linger=500)
                     return
                 outputs.extend(_handle(engine, msg))
-        if engine.has_work():
-            try:
+        try:
+            if engine.has_work():
                 outputs.extend(engine.step())
-            except Exception as e:
-                logger.error("step failed: %s", traceback.format_exc())
-                out.send(
-                    pickle.dumps(GroupFatal(group, 0, f"step failed: {type(e).__name__}: {e}"))
-                )
-                out.close(linger=2000)
-                os._exit(1)
-        else:
-            hb.beat(engine.step_id, "idle")
-            if os.getppid() != parent:  # the frontend is gone: nobody will read our outputs
-                logger.warning("frontend exited; leader stopping")
-                os._exit(0)
+            else:
+                hb.beat(engine.step_id, "idle")
+                engine.broadcast_idle()
+                if os.getppid() != parent:  # the frontend is gone: nobody will read our outputs
+                    logger.warning("frontend exited; leader stopping")
+                    os._exit(0)
+        except Exception as e:
+            _fatal(out, group, 0, "step failed", e)
         now = time.monotonic()
         if outputs or now - last_stats > args.heartbeat_interval_s:
             out.send(pickle.dumps(StepOutputs(group, outputs, engine.stats())))

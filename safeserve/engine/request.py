@@ -25,6 +25,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
+    dp_rank: int = 0  # attention rank holding its KV cache (attention data-parallel)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

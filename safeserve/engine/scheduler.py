@@ -38,14 +38,18 @@ class SchedulerOutput:
 
 
 class Scheduler:
+    """One scheduler per group (on its leader); with attention data-parallel it keeps one KV
+    allocator and one token budget per attention rank, and a request stays on the rank it was
+    admitted to until it finishes or is preempted."""
+
     def __init__(
         self,
-        allocator: BlockAllocator,
+        allocators: list[BlockAllocator],
         max_running_requests: int,
         max_num_batched_tokens: int,
         chunked_prefill_size: int,
     ) -> None:
-        self.allocator = allocator
+        self.allocators = allocators
         self.max_running = max_running_requests
         self.token_budget = max_num_batched_tokens
         self.chunk = min(chunked_prefill_size, max_num_batched_tokens)
@@ -54,11 +58,23 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
 
+    @property
+    def dp_size(self) -> int:
+        return len(self.allocators)
+
+    @property
+    def num_blocks_used(self) -> int:
+        return sum(a.num_used for a in self.allocators)
+
+    @property
+    def num_blocks_total(self) -> int:
+        return sum(a.num_blocks for a in self.allocators)
+
     def add(self, req: Request) -> None:
         if req.rid in self.requests:
             raise ValueError(f"duplicate request id {req.rid}")
-        max_blocks = self.allocator.num_blocks
-        if self.allocator.blocks_needed(req, req.num_tokens + 1) > max_blocks:
+        alloc = self.allocators[0]
+        if alloc.blocks_needed(req, req.num_tokens + 1) > alloc.num_blocks:
             raise ValueError("request does not fit in the KV cache")
         self.requests[req.rid] = req
         self.waiting.append(req)
@@ -69,7 +85,7 @@ class Scheduler:
     def finish(self, req: Request, reason: str) -> None:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
-        self.allocator.free(req)
+        self.allocators[req.dp_rank].free(req)
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
@@ -84,53 +100,61 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
-        self.allocator.free(req)
+        self.allocators[req.dp_rank].free(req)
         req.num_computed = 0
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def _grant(self, req: Request, budget: int) -> int:
-        return min(req.num_pending, self.chunk, budget)
-
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.token_budget
+        budget = [self.token_budget] * self.dp_size
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running):
             req = self.running[i]
-            n = self._grant(req, budget)
+            r = req.dp_rank
+            n = min(req.num_pending, self.chunk, budget[r])
             if n <= 0:
                 i += 1
                 continue
-            while not self.allocator.can_allocate(req, req.num_computed + n):
-                victim = self.running[-1]
+            alloc = self.allocators[r]
+            while not alloc.can_allocate(req, req.num_computed + n):
+                # The newest running request on the same attention rank gives way.
+                victim = next(v for v in reversed(self.running) if v.dp_rank == r)
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is req:
                     break
             if req.status is not RequestStatus.RUNNING:
-                break
-            self.allocator.allocate(req, req.num_computed + n)
+                continue  # preempted itself; self.running shifted, `i` now points at the next
+            alloc.allocate(req, req.num_computed + n)
             out.scheduled.append(ScheduledRequest(req, n))
-            budget -= n
+            budget[r] -= n
             i += 1
         # New requests only when nothing had to give way this step.
-        while (
-            not out.preempted
-            and self.waiting
-            and budget > 0
-            and len(self.running) < self.max_running
-        ):
+        while not out.preempted and self.waiting and len(self.running) < self.max_running:
             req = self.waiting[0]
-            n = self._grant(req, budget)
-            if not self.allocator.can_allocate(req, req.num_computed + n):
+            r = self._pick_rank(req, budget)
+            if r is None:
                 break
+            n = min(req.num_pending, self.chunk, budget[r])
             self.waiting.popleft()
-            self.allocator.allocate(req, req.num_computed + n)
+            req.dp_rank = r
+            self.allocators[r].allocate(req, req.num_computed + n)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, n))
-            budget -= n
+            budget[r] -= n
         return out
+
+    def _pick_rank(self, req: Request, budget: list[int]) -> int | None:
+        """The attention rank with the fewest running requests that has budget and blocks."""
+        load = [0] * self.dp_size
+        for r in self.running:
+            load[r.dp_rank] += 1
+        for r in sorted(range(self.dp_size), key=lambda k: (load[k], k)):
+            n = min(req.num_pending, self.chunk, budget[r])
+            if n > 0 and self.allocators[r].can_allocate(req, req.num_computed + n):
+                return r
+        return None

@@ -16,10 +16,11 @@ import torch
 from safetensors import safe_open
 
 from safeserve.config import TINY_MODEL
+from safeserve.engine.parallel import Comm, Layout
 from safeserve.model.config import ModelConfig
 from safeserve.model.qwen3_moe import Qwen3MoeForCausalLM
+from safeserve.model.sharding import ExpertSlice, Slice, shard_specs
 from safeserve.moe.dispatch.base import Dispatcher
-from safeserve.moe.placement import ExpertPlacement
 
 logger = logging.getLogger(__name__)
 
@@ -66,15 +67,19 @@ def build_model(
     model: str,
     load_format: str,
     dtype: str,
-    device: str,
-    placement: ExpertPlacement,
+    device: str | torch.device,
     dispatcher: Dispatcher,
+    layout: Layout | None = None,
+    comm: Comm | None = None,
     seed: int = 0,
 ) -> Qwen3MoeForCausalLM:
+    """This rank's shard of the model, with its weights filled."""
     cfg = load_model_config(model)
+    layout = layout or Layout()
+    comm = comm or Comm(layout, torch.device(device))
     torch_dtype = DTYPES[dtype]
     with torch.device("meta"):
-        net = Qwen3MoeForCausalLM(cfg, placement, dispatcher)
+        net = Qwen3MoeForCausalLM(cfg, layout, comm, dispatcher)
     net = net.to_empty(device=device).to(torch_dtype)
     # Buffers are not parameters: recompute them on the real device.
     net.rotary.__init__(cfg.head_dim, cfg.rope_theta)  # type: ignore[misc]
@@ -84,32 +89,36 @@ def build_model(
             layer.mlp.gate.logical_to_physical = torch.arange(cfg.num_experts, device=device)
     if cfg.tie_word_embeddings:
         net.lm_head.weight = net.embed_tokens.weight
+    specs = shard_specs(cfg, layout)
+    params = dict(net.named_parameters())
+    missing = set(params) - set(specs) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
+    if missing:
+        raise LoadError(f"no shard rule for {sorted(missing)[:3]}")
     if model == TINY_MODEL or load_format == "dummy":
-        init_random_weights(net, seed)
+        init_random_weights(params, specs, seed)
     else:
-        load_safetensors(net, Path(model), placement)
+        load_safetensors(params, specs, Path(model), cfg)
     net.eval()
     return net
 
 
 @torch.no_grad()
-def init_random_weights(net: Qwen3MoeForCausalLM, seed: int) -> None:
-    """Deterministic weights: every rank with the same seed builds the same model."""
-    gen = torch.Generator().manual_seed(seed)
-    for name, p in sorted(net.named_parameters(), key=lambda kv: kv[0]):
+def init_random_weights(params: dict[str, torch.nn.Parameter], specs: dict, seed: int) -> None:
+    """Deterministic weights: the same full model whatever the layout; each rank keeps its slice."""
+    for index, name in enumerate(sorted(specs)):
+        full_shape, piece = specs[name]
+        p = params[name]
         if name.endswith("norm.weight"):
             p.fill_(1.0)
             continue
-        if name.endswith(".bias"):
+        if name.endswith("bias"):
             p.zero_()
             continue
-        if name.endswith("experts.w13") or name.endswith("experts.w2"):
-            # Draw all experts so every rank's slice equals the same experts of a one-rank run.
-            placement = net.placement
-            full = torch.randn((placement.num_physical_experts, *p.shape[1:]), generator=gen) * 0.02
-            p.copy_(full[placement.local_start : placement.local_start + p.shape[0]])
-            continue
-        p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+        # One generator per tensor, so that a tensor's values do not depend on the others'.
+        gen = torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + index)
+        full = torch.randn(full_shape, generator=gen, device=p.device, dtype=torch.float32) * 0.02
+        p.copy_(piece.apply(full))
+        del full
 
 
 class _Checkpoint:
@@ -140,71 +149,78 @@ class _Checkpoint:
             raise LoadError(f"checkpoint has no tensor {name!r}")
         return self.handles[self.weight_map[name]].get_tensor(name)
 
-    def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
-        return self.handles[self.weight_map[name]].get_slice(name)[start:stop]
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name not in self.weight_map:
+            raise LoadError(f"checkpoint has no tensor {name!r}")
+        return tuple(self.handles[self.weight_map[name]].get_slice(name).get_shape())
+
+    def get_slice(self, name: str, piece: Slice) -> torch.Tensor:
+        """Reads only the rows (or columns) this rank holds."""
+        if piece.dim is None:
+            return self.get(name)
+        index = tuple([slice(None)] * piece.dim + [slice(piece.start, piece.stop)])
+        return self.handles[self.weight_map[name]].get_slice(name)[index]
 
     def names(self) -> Iterator[str]:
         return iter(self.weight_map)
 
 
+def _hf_name(name: str) -> str:
+    if name == "lm_head.weight":
+        return name
+    if name.endswith("self_attn.o_bias"):
+        return "model." + name.replace("o_bias", "o_proj.bias")
+    return "model." + name
+
+
 @torch.no_grad()
-def load_safetensors(net: Qwen3MoeForCausalLM, model_dir: Path, placement: ExpertPlacement) -> None:
+def load_safetensors(
+    params: dict[str, torch.nn.Parameter], specs: dict, model_dir: Path, cfg: ModelConfig
+) -> None:
     ckpt = _Checkpoint(model_dir)
-    cfg = net.config
-    loaded: set[str] = set()
-
-    def copy(dst: torch.Tensor, name: str) -> None:
-        src = ckpt.get(name)
-        if tuple(src.shape) != tuple(dst.shape):
-            raise LoadError(
-                f"{name}: checkpoint shape {tuple(src.shape)} != model {tuple(dst.shape)}"
-            )
-        dst.copy_(src)
-        loaded.add(name)
-
-    copy(net.embed_tokens.weight, "model.embed_tokens.weight")
-    copy(net.norm.weight, "model.norm.weight")
-    if not cfg.tie_word_embeddings:
-        copy(net.lm_head.weight, "lm_head.weight")
-    for i, layer in enumerate(net.layers):
-        pre = f"model.layers.{i}."
-        attn = layer.self_attn
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            copy(getattr(attn, proj).weight, f"{pre}self_attn.{proj}.weight")
-            if cfg.attention_bias:
-                copy(getattr(attn, proj).bias, f"{pre}self_attn.{proj}.bias")
-        copy(attn.q_norm.weight, f"{pre}self_attn.q_norm.weight")
-        copy(attn.k_norm.weight, f"{pre}self_attn.k_norm.weight")
-        copy(layer.input_layernorm.weight, f"{pre}input_layernorm.weight")
-        copy(layer.post_attention_layernorm.weight, f"{pre}post_attention_layernorm.weight")
-        if not layer.is_moe:
-            for proj in ("gate_proj", "up_proj", "down_proj"):
-                copy(getattr(layer.mlp, proj).weight, f"{pre}mlp.{proj}.weight")
+    for name in sorted(specs):
+        full_shape, piece = specs[name]
+        dst = params[name]
+        if isinstance(piece, ExpertSlice):
+            _load_experts(ckpt, dst, "model." + name.rsplit(".", 1)[0] + ".", piece, full_shape)
             continue
-        copy(layer.mlp.gate.weight, f"{pre}mlp.gate.weight")
-        _load_experts(ckpt, layer.mlp.experts, f"{pre}mlp.experts.", placement, cfg, loaded)
-    logger.info("loaded %d tensors from %s", len(loaded), model_dir)
+        hf = _hf_name(name)
+        shape = ckpt.shape(hf)
+        if shape != full_shape:
+            raise LoadError(f"{hf}: checkpoint shape {shape} != expected {full_shape}")
+        src = ckpt.get_slice(hf, piece)
+        dst.copy_(src)
+    logger.info("loaded %d tensors from %s", len(specs), model_dir)
 
 
 def _load_experts(
     ckpt: _Checkpoint,
-    runner: torch.nn.Module,
+    dst: torch.Tensor,
     prefix: str,
-    placement: ExpertPlacement,
-    cfg: ModelConfig,
-    loaded: set[str],
+    piece: ExpertSlice,
+    full_shape: tuple[int, ...],
 ) -> None:
-    inter = cfg.moe_intermediate_size
-    lo, hi = placement.local_start, placement.local_start + placement.experts_per_rank
-    fused = f"{prefix}gate_up_proj"
+    fused = prefix + ("gate_up_proj" if piece.is_w13 else "down_proj")
     if fused in ckpt:
-        runner.w13.copy_(ckpt.get_rows(fused, lo, hi))
-        runner.w2.copy_(ckpt.get_rows(f"{prefix}down_proj", lo, hi))
-        loaded.update({fused, f"{prefix}down_proj"})
+        if ckpt.shape(fused) != full_shape:
+            raise LoadError(
+                f"{fused}: checkpoint shape {ckpt.shape(fused)} != expected {full_shape}"
+            )
+        rows = ckpt.get_slice(fused, Slice(0, piece.e0, piece.e1))
+        local = ExpertSlice(0, piece.e1 - piece.e0, piece.i0, piece.i1, piece.width, piece.is_w13)
+        dst.copy_(local.apply(rows))
         return
-    for local, expert in enumerate(range(lo, hi)):
-        e = f"{prefix}{expert}."
-        runner.w13[local, :inter].copy_(ckpt.get(f"{e}gate_proj.weight"))
-        runner.w13[local, inter:].copy_(ckpt.get(f"{e}up_proj.weight"))
-        runner.w2[local].copy_(ckpt.get(f"{e}down_proj.weight"))
-        loaded.update(f"{e}{p}.weight" for p in ("gate_proj", "up_proj", "down_proj"))
+    width = piece.i1 - piece.i0
+    for local_e, e in enumerate(range(piece.e0, piece.e1)):
+        base = f"{prefix}{e}."
+        if piece.is_w13:
+            dst[local_e, :width].copy_(
+                ckpt.get_slice(base + "gate_proj.weight", Slice(0, piece.i0, piece.i1))
+            )
+            dst[local_e, width:].copy_(
+                ckpt.get_slice(base + "up_proj.weight", Slice(0, piece.i0, piece.i1))
+            )
+        else:
+            dst[local_e].copy_(
+                ckpt.get_slice(base + "down_proj.weight", Slice(1, piece.i0, piece.i1))
+            )

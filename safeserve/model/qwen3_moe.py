@@ -11,10 +11,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from safeserve.engine.attention import AttentionMetadata, paged_attention
+from safeserve.engine.parallel import Comm, Layout
 from safeserve.model.config import ModelConfig
+from safeserve.model.sharding import dense_split, expert_split, head_split
 from safeserve.moe.dispatch.base import Dispatcher
 from safeserve.moe.layer import MoELayer
-from safeserve.moe.placement import ExpertPlacement
 
 
 class RMSNorm(nn.Module):
@@ -57,17 +58,24 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+    """Tensor-parallel over heads: column-parallel q/k/v, row-parallel o, one all-reduce."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, layout: Layout, comm: Comm) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        split = head_split(cfg, layout)
+        self.num_heads = split.num_heads
+        self.num_kv_heads = split.num_kv_heads
         self.head_dim = cfg.head_dim
+        self.comm = comm
+        self.reduce = layout.attn_tp_size > 1
         h, d, bias = cfg.hidden_size, cfg.head_dim, cfg.attention_bias
         self.q_proj = nn.Linear(h, self.num_heads * d, bias=bias)
         self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
         self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        # Added once, after the all-reduce of the partial o_proj outputs.
+        self.o_bias = nn.Parameter(torch.zeros(h), requires_grad=False) if bias else None
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.scale = d**-0.5
@@ -86,38 +94,47 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        out = self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        if self.reduce:
+            out = self.comm.all_reduce(out)
+        if self.o_bias is not None:
+            out = out + self.o_bias
+        return out
 
 
 class DenseMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    """Split by FFN width across attention-TP ranks (replicated with attention-DP)."""
+
+    def __init__(self, cfg: ModelConfig, layout: Layout, comm: Comm) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        start, stop = dense_split(cfg, layout)
+        width, h = stop - start, cfg.hidden_size
+        self.gate_proj = nn.Linear(h, width, bias=False)
+        self.up_proj = nn.Linear(h, width, bias=False)
+        self.down_proj = nn.Linear(width, h, bias=False)
+        self.comm = comm
+        self.reduce = layout.attn_tp_size > 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.comm.all_reduce(out) if self.reduce else out
 
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self,
-        cfg: ModelConfig,
-        layer_id: int,
-        placement: ExpertPlacement,
-        dispatcher: Dispatcher,
+        self, cfg: ModelConfig, layer_id: int, layout: Layout, comm: Comm, dispatcher: Dispatcher
     ) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, layer_id)
+        self.self_attn = Attention(cfg, layer_id, layout, comm)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.is_moe = cfg.is_moe_layer(layer_id)
         self.mlp: nn.Module
         if self.is_moe:
+            placement, i0, i1 = expert_split(cfg, layout)
             self.mlp = MoELayer(
                 cfg.hidden_size,
-                cfg.moe_intermediate_size,
+                i1 - i0,
                 cfg.num_experts,
                 cfg.num_experts_per_tok,
                 cfg.norm_topk_prob,
@@ -125,7 +142,7 @@ class DecoderLayer(nn.Module):
                 dispatcher,
             )
         else:
-            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size)
+            self.mlp = DenseMLP(cfg, layout, comm)
 
     def forward(self, x, cos, sin, meta, kv_cache) -> torch.Tensor:  # type: ignore[no-untyped-def]
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache)
@@ -134,14 +151,15 @@ class DecoderLayer(nn.Module):
 
 class Qwen3MoeForCausalLM(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, placement: ExpertPlacement, dispatcher: Dispatcher
+        self, cfg: ModelConfig, layout: Layout, comm: Comm, dispatcher: Dispatcher
     ) -> None:
         super().__init__()
         self.config = cfg
-        self.placement = placement
+        self.layout = layout
+        self.dispatcher = dispatcher
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, placement, dispatcher) for i in range(cfg.num_hidden_layers)
+            DecoderLayer(cfg, i, layout, comm, dispatcher) for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from safeserve.moe.dispatch.base import Dispatcher
@@ -26,9 +28,19 @@ class MoELayer(torch.nn.Module):
         self.gate = Router(hidden_size, num_experts, top_k, renormalize)
         self.experts = ExpertRunner(placement.experts_per_rank, hidden_size, intermediate_size)
         self.dispatcher = dispatcher
+        self.on_phase: Callable[[str], None] | None = None  # heartbeat hook of the rank
+
+    def _phase(self, phase: str) -> None:
+        if self.on_phase is not None:
+            self.on_phase(phase)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         topk = self.gate(hidden_states)
+        self._phase("dispatch")
         dispatched = self.dispatcher.dispatch(hidden_states, topk)
+        self._phase("experts")
         combined = self.experts(dispatched)
-        return self.dispatcher.combine(combined)
+        self._phase("combine")
+        out = self.dispatcher.combine(combined)
+        self._phase("attention")
+        return out

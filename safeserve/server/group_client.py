@@ -13,6 +13,7 @@ import logging
 import multiprocessing as mp
 import os
 import pickle
+import socket
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ import zmq
 import zmq.asyncio
 
 from safeserve.config import ServerArgs
-from safeserve.engine.rank_worker import GroupAddresses, run_leader
+from safeserve.engine.rank_worker import GroupAddresses, run_rank
 from safeserve.messages import (
     AbortRequest,
     EngineStats,
@@ -36,6 +37,12 @@ from safeserve.messages import (
 )
 
 logger = logging.getLogger(__name__)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class GroupState(enum.Enum):
@@ -62,7 +69,7 @@ class GroupClient:
         self.ready_info: GroupReady | None = None
         self.fatal: str | None = None
         self.stats = EngineStats()
-        self.ranks = {0: RankStatus(0)}
+        self.ranks = {r: RankStatus(r) for r in range(args.tp_size)}
         self.queues: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._ready_event = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -77,20 +84,23 @@ class GroupClient:
         self._out.bind(self.addrs.outputs)
         self._hb = self._ctx.socket(zmq.PULL)
         self._hb.bind(self.addrs.heartbeats)
-        self.process: mp.process.BaseProcess | None = None
+        self.processes: list[mp.process.BaseProcess] = []
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
         ctx = mp.get_context("spawn")
-        self.process = ctx.Process(
-            target=run_leader,
-            args=(self.args, self.group, self.addrs),
-            name=f"safeserve-g{self.group}-r0",
-            daemon=True,
-        )
-        self.process.start()
-        self.ranks[0].pid = self.process.pid
-        logger.info("group %d: started leader pid %d", self.group, self.process.pid)
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        for rank in range(self.args.tp_size):
+            p = ctx.Process(
+                target=run_rank,
+                args=(self.args, self.group, rank, self.addrs, init_method),
+                name=f"safeserve-g{self.group}-r{rank}",
+                daemon=True,
+            )
+            p.start()
+            self.processes.append(p)
+            self.ranks[rank].pid = p.pid
+        logger.info("group %d: started ranks %s", self.group, [p.pid for p in self.processes])
         self._tasks = [
             asyncio.create_task(self._read_outputs()),
             asyncio.create_task(self._read_heartbeats()),
@@ -103,11 +113,11 @@ class GroupClient:
     async def stop(self) -> None:
         with contextlib.suppress(zmq.ZMQError):
             await self._req.send(pickle.dumps(Shutdown()), flags=zmq.NOBLOCK)
-        if self.process is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self.process.join, 3.0)
-            if self.process.is_alive():
-                self.process.kill()
-                self.process.join(1.0)
+        loop = asyncio.get_running_loop()
+        deadline = time.monotonic() + 5.0
+        for p in self.processes:
+            await loop.run_in_executor(None, p.join, max(0.1, deadline - time.monotonic()))
+        self.kill_all()
         for t in self._tasks:
             t.cancel()
         self.state = GroupState.STOPPED
@@ -170,17 +180,25 @@ class GroupClient:
             st = self.ranks.setdefault(hb.rank, RankStatus(hb.rank))
             st.pid, st.step, st.phase, st.last_beat = hb.pid, hb.step, hb.phase, hb.time
 
+    def kill_all(self) -> None:
+        """Kills every process of the group (a collective with a dead peer is never waited out)."""
+        for p in self.processes:
+            if p.is_alive():
+                p.kill()
+        for p in self.processes:
+            p.join(2.0)
+
     async def _watch_process(self) -> None:
         while True:
             await asyncio.sleep(0.2)
-            if self.process is not None and not self.process.is_alive():
+            dead = [(r, p) for r, p in enumerate(self.processes) if not p.is_alive()]
+            if dead and self.state in (GroupState.STARTING, GroupState.READY):
+                # Give a GroupFatal sent just before the exit a moment to arrive first.
+                await asyncio.sleep(0.2)
                 if self.state in (GroupState.STARTING, GroupState.READY):
-                    # Give a GroupFatal sent just before the exit a moment to arrive first.
-                    await asyncio.sleep(0.2)
-                    if self.state in (GroupState.STARTING, GroupState.READY):
-                        self._fail(
-                            f"rank 0 (pid {self.process.pid}) exited with code {self.process.exitcode}"
-                        )
+                    r, p = dead[0]
+                    self._fail(f"rank {r} (pid {p.pid}) exited with code {p.exitcode}")
+            if dead:
                 return
 
     def _fail(self, reason: str) -> None:
@@ -190,8 +208,7 @@ class GroupClient:
         self.fatal = reason
         self._ready_event.set()
         logger.error("group %d failed: %s", self.group, reason)
-        if self.process is not None and self.process.is_alive():
-            self.process.kill()  # never leave half a group running
+        self.kill_all()  # never leave half a group running
         for rid, q in list(self.queues.items()):
             q.put_nowait(RequestOutput(rid, [], "group_failed"))
         self.queues.clear()

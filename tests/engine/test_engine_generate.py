@@ -66,7 +66,7 @@ def test_greedy_equals_transformers(checkpoint: Path, hf, blocks, chunk, max_run
         assert outs[str(i)] == _reference(hf, p, 20, engine.eos_token_ids), f"prompt {i}"
     if blocks == 12:
         assert engine.scheduler.num_preemptions > 0  # the case really preempted
-    assert engine.allocator.num_used == 0  # every block back in the free list
+    assert engine.scheduler.num_blocks_used == 0  # every block back in the free list
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(checkpoint: Path) -> None:
@@ -107,9 +107,9 @@ def test_abort_frees_blocks_and_bad_requests_are_refused(checkpoint: Path) -> No
     engine = Engine(ServerArgs(model=str(checkpoint), max_model_len=64))
     engine.add_request("a", list(range(30)), SamplingParams(max_tokens=30, temperature=0.0))
     engine.step()
-    assert engine.allocator.num_used > 0
+    assert engine.scheduler.num_blocks_used > 0
     assert engine.abort_request("a")
-    assert engine.allocator.num_used == 0 and not engine.has_work()
+    assert engine.scheduler.num_blocks_used == 0 and not engine.has_work()
     with pytest.raises(ValueError):
         engine.add_request("b", [1] * 60, SamplingParams(max_tokens=10))
     with pytest.raises(ValueError):

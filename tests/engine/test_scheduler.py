@@ -21,7 +21,7 @@ def _advance(sched: Scheduler) -> list[tuple[str, int]]:
 
 def test_chunked_prefill_grants_under_budget_fcfs() -> None:
     sched = Scheduler(
-        BlockAllocator(100, 4),
+        [BlockAllocator(100, 4)],
         max_running_requests=8,
         max_num_batched_tokens=10,
         chunked_prefill_size=6,
@@ -35,7 +35,7 @@ def test_chunked_prefill_grants_under_budget_fcfs() -> None:
 
 def test_max_running_requests_caps_admission() -> None:
     sched = Scheduler(
-        BlockAllocator(100, 4),
+        [BlockAllocator(100, 4)],
         max_running_requests=2,
         max_num_batched_tokens=64,
         chunked_prefill_size=64,
@@ -49,7 +49,7 @@ def test_max_running_requests_caps_admission() -> None:
 def test_preemption_frees_latest_and_requeues_it_first() -> None:
     alloc = BlockAllocator(4, 4)  # 16 token slots in all
     sched = Scheduler(
-        alloc, max_running_requests=8, max_num_batched_tokens=64, chunked_prefill_size=64
+        [alloc], max_running_requests=8, max_num_batched_tokens=64, chunked_prefill_size=64
     )
     a, b = _req("a", 8), _req("b", 8)
     sched.add(a)
@@ -67,7 +67,7 @@ def test_preemption_frees_latest_and_requeues_it_first() -> None:
 def test_finish_and_abort_return_blocks() -> None:
     alloc = BlockAllocator(10, 4)
     sched = Scheduler(
-        alloc, max_running_requests=8, max_num_batched_tokens=64, chunked_prefill_size=64
+        [alloc], max_running_requests=8, max_num_batched_tokens=64, chunked_prefill_size=64
     )
     sched.add(_req("a", 9))
     sched.add(_req("b", 2))

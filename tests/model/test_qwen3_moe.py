@@ -72,7 +72,7 @@ def test_logits_match_transformers_prefill_and_decode(variant: str, tmp_path: Pa
         assert (ckpt / "model.safetensors.index.json").exists()
     cfg = load_model_config(str(ckpt))
     placement = ExpertPlacement(cfg.num_experts)
-    net = build_model(str(ckpt), "auto", "float32", "cpu", placement, LocalDispatcher(placement))
+    net = build_model(str(ckpt), "auto", "float32", "cpu", LocalDispatcher(placement))
     hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, cfg.vocab_size, (29,), generator=gen).tolist()
@@ -130,7 +130,7 @@ def test_dummy_load_format_needs_only_config_json(tmp_path: Path) -> None:
     )
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     engine = Engine(ServerArgs(model=str(tmp_path), load_format="dummy", seed=5))
-    assert engine.model.layers[0].mlp.experts.w13.abs().sum() > 0  # really initialized
+    assert engine.runner.model.layers[0].mlp.experts.w13.abs().sum() > 0  # really initialized
     engine.add_request(
         "a", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     )

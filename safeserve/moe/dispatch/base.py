@@ -33,8 +33,28 @@ class CombineInput:
     handle: Any = None
 
 
+@dataclass
+class StepTokens:
+    """How this step's tokens sit on the group's ranks; the model runner sets it every step.
+
+    `replicated`: every rank holds the same tokens (tensor-parallel attention); otherwise rank r
+    holds its own `per_rank[r]` tokens (attention data-parallel).
+    """
+
+    per_rank: list[int]
+    replicated: bool
+
+
 class Dispatcher(ABC):
     """Moves tokens to their experts' ranks (`dispatch`) and the results back (`combine`)."""
+
+    step: StepTokens | None = None
+    # Tokens each source rank sends each destination rank in the last dispatch: the numbers the
+    # admission guard reads before any token moves.
+    last_count_matrix: torch.Tensor | None = None
+
+    def begin_step(self, step: StepTokens) -> None:
+        self.step = step
 
     @abstractmethod
     def dispatch(self, hidden_states: torch.Tensor, topk: TopKOutput) -> DispatchOutput: ...

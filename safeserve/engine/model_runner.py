@@ -1,0 +1,175 @@
+"""Every rank's worker: holds its shard of the model and its KV cache, runs its part of a plan.
+
+With tensor-parallel attention every rank computes the same sequences (its heads of them) and the
+leader samples; with attention data-parallel each rank computes and samples its own sequences.
+Ranks with no tokens still run the forward pass, so that every MoE collective has all ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from safeserve.config import ServerArgs
+from safeserve.engine.attention import AttentionMetadata
+from safeserve.engine.kv_cache import KVCache
+from safeserve.engine.parallel import Comm, Layout
+from safeserve.engine.plan import SeqPlan, StepPlan
+from safeserve.engine.sampler import sample
+from safeserve.model.loader import DTYPES, build_model, load_model_config
+from safeserve.model.sharding import expert_split, head_split
+from safeserve.moe.dispatch import StepTokens, make_dispatcher
+
+logger = logging.getLogger(__name__)
+
+PhaseCallback = Callable[[int, str], None]
+
+
+def rank_device(args: ServerArgs, rank: int) -> torch.device:
+    if args.device == "cuda":
+        return torch.device("cuda", rank)
+    return torch.device("cpu")
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        args: ServerArgs,
+        rank: int = 0,
+        init_method: str | None = None,
+        on_phase: PhaseCallback | None = None,
+    ) -> None:
+        self.args = args
+        self.layout = Layout(rank, args.tp_size, args.ep_size, args.enable_dp_attention)
+        self.device = rank_device(args, rank)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.comm = Comm(self.layout, self.device)
+        if self.comm.active:
+            assert init_method is not None
+            self.comm.init(init_method)
+        self.on_phase = on_phase or (lambda step, phase: None)
+        cfg = load_model_config(args.model)
+        self.config = cfg
+        placement = expert_split(cfg, self.layout)[0] if cfg.num_experts else None
+        self.dispatcher = (
+            make_dispatcher(args.moe_a2a_backend, placement, self.comm) if placement else None
+        )
+        self.model = build_model(
+            args.model,
+            args.load_format,
+            args.dtype,
+            self.device,
+            self.dispatcher,
+            self.layout,
+            self.comm,
+            args.seed,
+        )
+        for layer in self.model.layers:
+            if layer.is_moe:
+                layer.mlp.on_phase = self._moe_phase
+        self.step_id = 0
+        self.max_model_len = args.max_model_len or cfg.max_position_embeddings
+        self.num_blocks = self._agree_min(self._num_kv_blocks())
+        heads = head_split(cfg, self.layout)
+        self.kv = KVCache(
+            cfg.num_hidden_layers,
+            self.num_blocks,
+            args.block_size,
+            heads.num_kv_heads,
+            cfg.head_dim,
+            DTYPES[args.dtype],
+            self.device,
+        )
+
+    # -- start-up -------------------------------------------------------------------------------
+    def _num_kv_blocks(self) -> int:
+        args, cfg = self.args, self.config
+        heads = head_split(cfg, self.layout)
+        per_block = KVCache.bytes_per_block(
+            cfg.num_hidden_layers,
+            args.block_size,
+            heads.num_kv_heads,
+            cfg.head_dim,
+            DTYPES[args.dtype],
+        )
+        if args.num_kv_blocks is not None:
+            return args.num_kv_blocks
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - (1 - args.mem_fraction_static) * total
+            if budget <= per_block:
+                raise RuntimeError(
+                    "no device memory left for the KV cache; lower --mem-fraction-static"
+                )
+            blocks = int(budget // per_block)
+        else:
+            blocks = int(args.kv_cache_memory_gb * (1 << 30) // per_block)
+        # More than every running request at full length is never used.
+        per_req = (self.max_model_len + args.block_size - 1) // args.block_size
+        return max(2, min(blocks, args.max_running_requests * per_req))
+
+    def _agree_min(self, value: int) -> int:
+        """Every rank must hold the same number of blocks: take the smallest."""
+        values = self.comm.gather_objects(value)
+        return int(self.comm.broadcast_object(min(values) if values else value))  # type: ignore[type-var]
+
+    # -- a step ---------------------------------------------------------------------------------
+    def _moe_phase(self, phase: str) -> None:
+        self.on_phase(self.step_id, phase)
+
+    def execute(self, plan: StepPlan) -> list[int]:
+        """Runs this rank's part of the plan; returns the tokens it sampled, in plan order."""
+        logits, sampling = self.run_plan(plan)
+        if logits is None:
+            return []
+        self.on_phase(plan.step, "sample")
+        return sample(
+            logits, [s.params for s in sampling], [s.output_index for s in sampling], self.args.seed
+        )
+
+    def run_plan(self, plan: StepPlan) -> tuple[torch.Tensor | None, list[SeqPlan]]:
+        """The forward pass of this rank's part; logits of its sampling rows when it samples."""
+        self.step_id = plan.step
+        if self.layout.dp_attention:
+            mine = plan.per_rank[self.layout.rank]
+            sizes = [sum(len(s.token_ids) for s in seqs) for seqs in plan.per_rank]
+            samples_here = True
+        else:
+            mine = plan.per_rank[0]
+            sizes = [sum(len(s.token_ids) for s in mine)] * self.layout.tp_size
+            samples_here = self.layout.rank == 0
+        if self.dispatcher is not None:
+            self.dispatcher.begin_step(StepTokens(sizes, replicated=not self.layout.dp_attention))
+        self.on_phase(plan.step, "attention")
+        hidden, sample_rows = self._forward(mine)
+        sampling = [s for s in mine if s.params is not None]
+        if not samples_here or not sampling:
+            return None, sampling
+        return self.model.compute_logits(hidden[sample_rows]), sampling
+
+    def _forward(self, seqs: list[SeqPlan]) -> tuple[torch.Tensor, torch.Tensor]:
+        ids: list[int] = []
+        positions: list[int] = []
+        sample_rows: list[int] = []
+        for s in seqs:
+            ids.extend(s.token_ids)
+            positions.extend(range(s.start, s.end))
+            if s.params is not None:
+                sample_rows.append(len(ids) - 1)
+        meta = AttentionMetadata.build(
+            [len(s.token_ids) for s in seqs],
+            [s.end for s in seqs],
+            [s.block_table for s in seqs],
+            self.args.block_size,
+            self.device,
+        )
+        hidden = self.model(
+            torch.tensor(ids, dtype=torch.int64, device=self.device),
+            torch.tensor(positions, dtype=torch.int64, device=self.device),
+            meta,
+            self.kv.layers,
+        )
+        return hidden, torch.tensor(sample_rows, dtype=torch.int64, device=self.device)

@@ -1,0 +1,141 @@
+"""The layout of one group's ranks, and the collectives the model uses.
+
+A group of `tp_size` ranks forms its own `torch.distributed` world (gloo on CPU, NCCL on GPU),
+plus a gloo group on which the leader broadcasts each step's plan. Expert parallelism splits the
+same ranks into `ep_size` expert blocks of `moe_tp_size = tp_size / ep_size` ranks each; each
+rank of a block holds a slice of those experts' FFN width.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+# A collective is never waited out: the watchdog fences a group long before this.
+_COLLECTIVE_TIMEOUT = datetime.timedelta(hours=2)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Who this rank is in its group; the same numbers on every rank but `rank`."""
+
+    rank: int = 0
+    tp_size: int = 1
+    ep_size: int = 1
+    dp_attention: bool = False
+
+    @property
+    def moe_tp_size(self) -> int:
+        return self.tp_size // self.ep_size
+
+    @property
+    def ep_rank(self) -> int:
+        return self.rank // self.moe_tp_size
+
+    @property
+    def moe_tp_rank(self) -> int:
+        return self.rank % self.moe_tp_size
+
+    @property
+    def attn_tp_size(self) -> int:
+        """Ranks that split one attention computation (1 with attention data-parallel)."""
+        return 1 if self.dp_attention else self.tp_size
+
+    @property
+    def attn_tp_rank(self) -> int:
+        return 0 if self.dp_attention else self.rank
+
+    @property
+    def dp_size(self) -> int:
+        """Independent attention groups: each holds its own requests and KV cache."""
+        return self.tp_size if self.dp_attention else 1
+
+
+class Comm:
+    """The group's collectives; with one rank every operation is the identity."""
+
+    def __init__(self, layout: Layout, device: torch.device) -> None:
+        self.layout = layout
+        self.device = device
+        self.world = layout.tp_size
+        self.cpu_group: dist.ProcessGroup | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.world > 1
+
+    def init(self, init_method: str) -> None:
+        if not self.active:
+            return
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend,
+            init_method=init_method,
+            rank=self.layout.rank,
+            world_size=self.world,
+            timeout=_COLLECTIVE_TIMEOUT,
+            device_id=self.device if self.device.type == "cuda" else None,
+        )
+        self.cpu_group = (
+            dist.new_group(backend="gloo", timeout=_COLLECTIVE_TIMEOUT)
+            if backend == "nccl"
+            else dist.group.WORLD
+        )
+
+    def shutdown(self) -> None:
+        if self.active and dist.is_initialized():
+            dist.destroy_process_group()
+
+    # -- model collectives ----------------------------------------------------------------------
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.active:
+            dist.all_reduce(x)
+        return x
+
+    def all_gather_rows(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        """Concatenates every rank's rows (rank r holds sizes[r] rows) on every rank."""
+        if not self.active:
+            return x
+        width = max(sizes)
+        padded = x.new_zeros((width, *x.shape[1:]))
+        padded[: x.shape[0]] = x
+        parts = [torch.empty_like(padded) for _ in range(self.world)]
+        dist.all_gather(parts, padded)
+        return torch.cat([p[:n] for p, n in zip(parts, sizes, strict=True)])
+
+    def all_gather_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """Every rank's 1-D count vector stacked: `[world, len(counts)]`."""
+        if not self.active:
+            return counts[None]
+        parts = [torch.empty_like(counts) for _ in range(self.world)]
+        dist.all_gather(parts, counts)
+        return torch.stack(parts)
+
+    def all_to_all(
+        self, x: torch.Tensor, send_splits: list[int], recv_splits: list[int]
+    ) -> torch.Tensor:
+        out = x.new_empty((sum(recv_splits), *x.shape[1:]))
+        if not self.active:
+            out.copy_(x)
+            return out
+        dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits)
+        return out
+
+    # -- control plane (CPU) --------------------------------------------------------------------
+    def broadcast_object(self, obj: object) -> object:
+        if not self.active:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.cpu_group)
+        return box[0]
+
+    def gather_objects(self, obj: object) -> list[object] | None:
+        """Every rank's object on the leader (None elsewhere)."""
+        if not self.active:
+            return [obj]
+        out: list[object] | None = [None] * self.world if self.layout.rank == 0 else None
+        dist.gather_object(obj, out, dst=0, group=self.cpu_group)
+        return out

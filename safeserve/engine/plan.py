@@ -1,0 +1,32 @@
+"""A step's plan: what the leader broadcasts to every rank of its group (over gloo)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from safeserve.messages import SamplingParams
+
+
+@dataclass
+class SeqPlan:
+    """One sequence's work in a step, on the attention rank that holds its KV cache."""
+
+    token_ids: list[int]  # tokens computed this step
+    start: int  # position of token_ids[0]
+    block_table: list[int]  # blocks covering positions 0 .. start + len(token_ids) - 1
+    params: SamplingParams | None = None  # set when this step samples the next token
+    output_index: int = 0  # index of the token being sampled among the request's outputs
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.token_ids)
+
+
+@dataclass
+class StepPlan:
+    step: int
+    # Attention rank -> its sequences. With tensor-parallel attention there is one list, which
+    # every rank computes (each its heads); with attention data-parallel one list per rank.
+    per_rank: list[list[SeqPlan]] = field(default_factory=list)
+    idle: bool = False  # nothing to compute: ranks only report they are alive
+    shutdown: bool = False

@@ -1,0 +1,111 @@
+"""Run scripted plans on a real multi-process group (gloo) and collect each rank's logits."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import traceback
+from pathlib import Path
+
+import torch
+
+LAYOUTS = {
+    # name: (tp, ep, backend, dp_attention)
+    "tp2-ep2-alltoall": (2, 2, "alltoall", False),
+    "tp2-ep2-none": (2, 2, "none", False),
+    "tp2-ep1-none": (2, 1, "none", False),
+    "tp4-ep4-alltoall-dp": (4, 4, "alltoall", True),
+    "tp2-ep2-alltoall-dp": (2, 2, "alltoall", True),
+    "tp2-ep1-none-dp": (2, 1, "none", True),
+}
+
+
+def layout_args(name: str) -> list[str]:
+    tp, ep, backend, dp = LAYOUTS[name]
+    args = ["--tp-size", str(tp), "--ep-size", str(ep), "--moe-a2a-backend", backend]
+    return args + (["--enable-dp-attention"] if dp else [])
+
+
+def _rank_main(
+    model: str,
+    layout: tuple,
+    rank: int,
+    init: str,
+    seqs: list[list[int]],
+    chunks: list[int],
+    queue: mp.Queue,
+) -> None:
+    try:
+        from safeserve.config import ServerArgs
+        from safeserve.engine.model_runner import ModelRunner
+        from safeserve.engine.plan import SeqPlan, StepPlan
+        from safeserve.messages import SamplingParams
+
+        tp, ep, backend, dp = layout
+        args = ServerArgs(
+            model=model,
+            tp_size=tp,
+            ep_size=ep,
+            moe_a2a_backend=backend,
+            enable_dp_attention=dp,
+            num_kv_blocks=64,
+            block_size=4,
+        )
+        runner = ModelRunner(args, rank, init)
+        dp_size = tp if dp else 1
+        tables = {
+            i: list(range(16 * (i // dp_size), 16 * (i // dp_size) + 16)) for i in range(len(seqs))
+        }
+        pos, step = 0, 0
+        for n in chunks:
+            per_rank: list[list[SeqPlan]] = [[] for _ in range(dp_size)]
+            owners = []
+            for i, ids in enumerate(seqs):
+                if pos >= len(ids):
+                    continue
+                piece = ids[pos : pos + n]
+                per_rank[i % dp_size].append(
+                    SeqPlan(piece, pos, tables[i], SamplingParams(temperature=0.0), 0)
+                )
+                owners.append((i % dp_size, i, pos + len(piece) - 1))
+            step += 1
+            logits, _ = runner.run_plan(StepPlan(step, per_rank))
+            if logits is not None:
+                mine = [(i, p) for r, i, p in owners if r == (rank if dp else 0)]
+                for (i, p), row in zip(mine, logits, strict=True):
+                    queue.put((i, p, row.tolist()))  # plain data: the rank may exit first
+            pos += n
+        queue.put(("done", rank, None))
+        runner.comm.shutdown()
+    except Exception:
+        queue.put(("error", rank, traceback.format_exc()))
+
+
+def run_layout(model: Path, name: str, seqs: list[list[int]], chunks: list[int], port: int) -> dict:
+    """{(seq, position): logits row} from a real group of processes."""
+    layout = LAYOUTS[name]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    init = f"tcp://127.0.0.1:{port}"
+    procs = [
+        ctx.Process(target=_rank_main, args=(str(model), layout, r, init, seqs, chunks, queue))
+        for r in range(layout[0])
+    ]
+    for p in procs:
+        p.start()
+    out, done = {}, 0
+    try:
+        while done < len(procs):
+            a, b, c = queue.get(timeout=180)
+            if a == "error":
+                raise RuntimeError(f"rank {b} failed:\n{c}")
+            if a == "done":
+                done += 1
+                continue
+            out[(a, b)] = torch.tensor(c)
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return out

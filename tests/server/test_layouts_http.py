@@ -1,0 +1,145 @@
+"""Every parallel layout through the HTTP API, token for token against transformers."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import openai
+import psutil
+import pytest
+import torch
+from layouts import LAYOUTS, layout_args
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+PROMPTS = [
+    "The quick brown fox",
+    "Experts route tokens; the router picks the top k experts for every token.",
+    "A paged key value cache",
+    "Mixture of experts models serve many requests at once on many GPUs, and one failed GPU",
+]
+
+
+@pytest.fixture(scope="module")
+def hf(checkpoint: Path):
+    return AutoModelForCausalLM.from_pretrained(
+        checkpoint, dtype=torch.float32
+    ).eval(), AutoTokenizer.from_pretrained(checkpoint)
+
+
+def _greedy(hf, text: str, n: int) -> list[int]:
+    model, tok = hf
+    ids = tok(text)["input_ids"]
+    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)[
+        0, len(ids) :
+    ].tolist()
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    return out[: out.index(eos)] if eos in out else out
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_layout_serves_transformers_greedy(server_factory, checkpoint: Path, hf, name: str) -> None:
+    # With 2 attention ranks and dp attention, one request leaves a rank idle for the whole run.
+    prompts = PROMPTS[:1] if name == "tp2-ep2-alltoall-dp" else PROMPTS
+    s = server_factory(
+        ["--model", str(checkpoint), "--chunked-prefill-size", "8", *layout_args(name)]
+    )
+    client = openai.AsyncOpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
+
+    async def run():
+        return await asyncio.gather(
+            *(
+                client.completions.create(
+                    model=str(checkpoint),
+                    prompt=p,
+                    max_tokens=24,
+                    temperature=0.0,
+                    extra_body={"return_token_ids": True},
+                )
+                for p in prompts
+            )
+        )
+
+    for p, res in zip(prompts, asyncio.run(run()), strict=True):
+        assert res.choices[0].model_extra["token_ids"] == _greedy(hf, p, 24), p
+
+
+def test_alltoall_adjusts_ep_with_one_info_line(server_factory, checkpoint: Path) -> None:
+    s = server_factory(
+        [
+            "--model",
+            str(checkpoint),
+            "--moe-a2a-backend",
+            "alltoall",
+            "--tp-size",
+            "2",
+            "--ep-size",
+            "1",
+        ]
+    )
+    lines = [ln for ln in s.output().splitlines() if "expert parallel size is adjusted" in ln]
+    assert len(lines) == 1 and " INFO " in lines[0] and "ep_size 1 -> 2" in lines[0]
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--tp-size", "2", "--ep-size", "3"], "--ep-size 3 cannot exceed --tp-size 2"),
+        (["--tp-size", "4", "--ep-size", "3"], "--ep-size 3 must divide --tp-size 4"),
+        (["--enable-dp-attention"], "--enable-dp-attention needs --tp-size of at least 2"),
+        (["--tp-size", "3", "--ep-size", "3"], "--tp-size 3 must divide num_attention_heads 4"),
+        (
+            ["--tp-size", "3", "--ep-size", "3", "--enable-dp-attention"],
+            "must divide the number of experts 8",
+        ),
+        (["--tp-size", "3", "--ep-size", "1", "--enable-dp-attention"], "moe_intermediate_size"),
+        (["--moe-a2a-backend", "deepep"], "deepep is not available yet"),
+    ],
+)
+def test_invalid_layout_exits_before_spawning(
+    checkpoint: Path, args: list[str], message: str
+) -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "safeserve.cli",
+            "serve",
+            "--model",
+            str(checkpoint),
+            "--port",
+            "0",
+            *args,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    children: set[int] = set()
+    while proc.poll() is None:  # watch for any child process while it runs
+        try:
+            children |= {c.pid for c in psutil.Process(proc.pid).children(recursive=True)}
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.01)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2
+    error_lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(error_lines) == 1 and message in error_lines[0], err
+    assert not children
+
+
+def test_ctrl_c_leaves_no_process_behind(server_factory, checkpoint: Path) -> None:
+    s = server_factory(["--model", str(checkpoint), *layout_args("tp2-ep2-alltoall")])
+    ranks = psutil.Process(s.proc.pid).children(recursive=True)
+    assert len([r for r in ranks if "spawn_main" in " ".join(r.cmdline())]) == 2
+    os.killpg(s.proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole process group
+    s.proc.wait(timeout=20)
+    gone, alive = psutil.wait_procs(ranks, timeout=10)
+    assert not alive, alive
