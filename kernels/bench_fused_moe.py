@@ -1,0 +1,268 @@
+"""Micro-benchmark of `safeserve.kernels.fused_moe` on one GPU, timed as CUDA-graph replays.
+
+Default shapes: one Qwen3-30B-A3B MoE layer (E=128, top-8, H=2048, I=768, bf16). For each token
+count it captures one graph per routing (several routings, so that consecutive replays read
+different experts and L2 cannot carry weights between calls), replays them round-robin, times
+every replay with CUDA events and reports the median. The floor is the bytes of the experts the
+routing actually selects divided by the HBM read ceiling (4.24 TB/s, REFERENCE.md §6).
+
+    python3 kernels/bench_fused_moe.py [--tokens 1,8,64] [--configs table.json] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from safeserve.kernels import fused_moe as fm  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: smoke runs (TRITON_INTERPRET=1)
+HBM_READ_BW = 4.24e12  # bytes/s, measured H200 read ceiling (REFERENCE.md §6)
+DEFAULT_TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
+
+
+def make_weights(
+    num_experts: int, hidden: int, inter: int, dtype: torch.dtype, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, device=DEVICE, dtype=dtype, generator=gen)
+    w2 = torch.randn(num_experts, hidden, inter, device=DEVICE, dtype=dtype, generator=gen)
+    return w13.mul_(hidden**-0.5), w2.mul_(inter**-0.5)
+
+
+def make_routings(
+    num_tokens: int,
+    num_experts: int,
+    hidden: int,
+    top_k: int,
+    dtype: torch.dtype,
+    count: int,
+    seed: int = 1,
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """`count` independent (x, weights float32, ids int32) draws, softmax-top-k of random logits."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seed + 7919 * num_tokens)
+    out = []
+    for _ in range(count):
+        x = torch.randn(num_tokens, hidden, device=DEVICE, dtype=dtype, generator=gen)
+        logits = torch.randn(num_tokens, num_experts, device=DEVICE, generator=gen)
+        w, ids = torch.topk(torch.softmax(logits, dim=-1), top_k, dim=-1)
+        out.append((x, w.contiguous(), ids.to(torch.int32).contiguous()))
+    return out
+
+
+def graph_times_us(fns: list[Callable[[], Any]], reps: int, batch: int = 32) -> list[float]:
+    """Per-call device time (µs) of each fn captured as its own CUDA graph, replayed round-robin.
+
+    Before each batch the GPU sleeps so the host can queue the whole batch ahead: every timed
+    replay then starts as soon as the previous one ends (no host launch gap inside the events).
+    """
+    if DEVICE == "cpu":  # smoke run of the harness: host wall clock, no graphs
+        out = []
+        for _ in range(reps):
+            for fn in fns:
+                t = time.perf_counter()
+                fn()
+                out.append((time.perf_counter() - t) * 1e6)
+        return out
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for fn in fns:
+            fn()
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graphs = []
+    for fn in fns:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        graphs.append(g)
+    for g in graphs:
+        g.replay()
+    torch.cuda.synchronize()
+    total = reps * len(graphs)
+    events = [
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        for _ in range(total)
+    ]
+    for lo in range(0, total, batch):
+        torch.cuda._sleep(3_000_000)  # ~1.5 ms head start for the host
+        for j in range(lo, min(lo + batch, total)):
+            start, end = events[j]
+            start.record()
+            graphs[j % len(graphs)].replay()
+            end.record()
+    torch.cuda.synchronize()
+    times = [s.elapsed_time(e) * 1e3 for s, e in events]
+    del graphs
+    return times
+
+
+_FP32_WEIGHTS: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def reference(x, w13, w2, weights, ids) -> torch.Tensor:
+    """The runner's torch path in float32 (upcast weights cached per weight tensor)."""
+    from safeserve.moe.runner import grouped_experts_torch
+
+    key = w13.data_ptr()
+    if key not in _FP32_WEIGHTS:
+        _FP32_WEIGHTS.clear()
+        _FP32_WEIGHTS[key] = (w13.float(), w2.float())
+    w13f, w2f = _FP32_WEIGHTS[key]
+    return grouped_experts_torch(x.float(), w13f, w2f, ids, weights.float())
+
+
+def expert_bytes(hidden: int, inter: int, elem: int) -> int:
+    return 3 * hidden * inter * elem
+
+
+def measure_ceilings() -> dict[str, float]:
+    """HBM read rate (a 4 GiB bf16 sum) and bf16 matmul rate (8192^3), medians of 10."""
+    out: dict[str, float] = {}
+    x = torch.randn(2 * 1024**3, device=DEVICE, dtype=torch.bfloat16)
+    t = _event_median_ms(lambda: x.sum(dtype=torch.float32), 10)
+    out["hbm_read_TBps"] = x.numel() * 2 / t / 1e9
+    a = torch.randn(8192, 8192, device=DEVICE, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=DEVICE, dtype=torch.bfloat16)
+    t = _event_median_ms(lambda: a @ b, 10)
+    out["bf16_matmul_TFLOPs"] = 2 * 8192**3 / t / 1e9
+    return out
+
+
+def _event_median_ms(fn: Callable[[], Any], reps: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e))
+    return statistics.median(times)
+
+
+def bench_one(
+    num_tokens: int,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    top_k: int,
+    config: fm.Config | None,
+    rotations: int,
+    reps: int,
+) -> dict[str, Any]:
+    num_experts, two_i, hidden = w13.shape
+    inter = two_i // 2
+    routings = make_routings(num_tokens, num_experts, hidden, top_k, w13.dtype, rotations)
+    cfg = config or fm.get_config(num_tokens, num_experts, hidden, inter, top_k)
+    fns = [(lambda r=r: fm.fused_moe(r[0], w13, w2, r[1], r[2], config=cfg)) for r in routings]
+    times = graph_times_us(fns, reps)
+    distinct = [int(torch.unique(r[2]).numel()) for r in routings]
+    floor_us = [
+        d * expert_bytes(hidden, inter, w13.element_size()) / HBM_READ_BW * 1e6 for d in distinct
+    ]
+    med = statistics.median(times)
+    x, w, ids = routings[0]
+    out = fm.fused_moe(x, w13, w2, w, ids, config=cfg).float()
+    ref = reference(x, w13, w2, w, ids)
+    rel_err = ((out - ref).norm() / ref.norm()).item()
+    flops = 2 * num_tokens * top_k * 3 * hidden * inter
+    row: dict[str, Any] = {
+        "tokens": num_tokens,
+        "experts_read": statistics.mean(distinct),
+        "floor_us": statistics.mean(floor_us),
+        "median_us": med,
+        "p10_us": sorted(times)[len(times) // 10],
+        "p90_us": sorted(times)[len(times) * 9 // 10],
+        "floor_share": statistics.mean(floor_us) / med,
+        "TFLOPs": flops / med / 1e6,
+        "samples": len(times),
+        "rel_err": rel_err,
+        "config": cfg,
+    }
+    if cfg["mode"] == "sorted":
+        bm = cfg["BLOCK_M"]
+        align = [(lambda r=r: fm.moe_align(r[2], num_experts, bm)) for r in routings]
+        row["align_us"] = statistics.median(graph_times_us(align, max(4, reps // 4)))
+    return row
+
+
+def _short(cfg: fm.Config) -> str:
+    g1, g2 = cfg["gemm1"], cfg["gemm2"]
+
+    def k(c: fm.Config) -> str:
+        return f"{c['BLOCK_N']}x{c['BLOCK_K']}w{c['num_warps']}s{c['num_stages']}"
+
+    pdl = "+pdl" if cfg.get("pdl") else ""
+    return f"{cfg['mode']}{pdl}/M{cfg['BLOCK_M']} g1 {k(g1)} g2 {k(g2)}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)))
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--inter", type=int, default=768)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--configs", help="config table JSON (default: the shipped lookup)")
+    ap.add_argument("--rotations", type=int, default=8, help="routings replayed round-robin")
+    ap.add_argument("--reps", type=int, default=40, help="replays of each routing's graph")
+    ap.add_argument("--ceilings", action="store_true", help="also measure HBM and matmul rates")
+    ap.add_argument("--json", help="write the rows here")
+    args = ap.parse_args(argv)
+
+    dtype = getattr(torch, args.dtype)
+    table = fm.load_config_table(args.configs) if args.configs else None
+    w13, w2 = make_weights(args.experts, args.hidden, args.inter, dtype)
+    meta: dict[str, Any] = {
+        "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "triton": fm.triton.__version__ if fm.HAS_TRITON else None,
+        "date": time.strftime("%Y-%m-%d"),
+        "shape": vars(args),
+        "hbm_read_ceiling_TBps_assumed": HBM_READ_BW / 1e12,
+    }
+    if args.ceilings:
+        meta["measured"] = measure_ceilings()
+        print(f"# measured: {meta['measured']}", flush=True)
+    rows = []
+    for t in [int(v) for v in args.tokens.split(",")]:
+        cfg = fm.nearest_config(table, t) if table else None
+        row = bench_one(t, w13, w2, args.top_k, cfg, args.rotations, args.reps)
+        rows.append(row)
+        print(
+            f"T={t:5d} experts={row['experts_read']:6.1f} floor={row['floor_us']:7.1f}us "
+            f"median={row['median_us']:8.1f}us (p10 {row['p10_us']:.1f}, p90 {row['p90_us']:.1f}) "
+            f"share={100 * row['floor_share']:5.1f}% {row['TFLOPs']:6.1f} TFLOP/s "
+            f"align={row.get('align_us', 0):5.1f}us err={row['rel_err']:.1e} "
+            f"[{_short(row['config'])}]",
+            flush=True,
+        )
+    print("\n| tokens | experts read | floor µs | median µs | floor share | TFLOP/s | rel err |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(
+            f"| {r['tokens']} | {r['experts_read']:.1f} | {r['floor_us']:.1f} | "
+            f"{r['median_us']:.1f} | {100 * r['floor_share']:.1f} % | {r['TFLOPs']:.0f} | "
+            f"{r['rel_err']:.1e} |"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
