@@ -26,6 +26,7 @@ def layout_args(name: str) -> list[str]:
 
 
 def _rank_main(
+    device: str,
     model: str,
     layout: tuple,
     rank: int,
@@ -49,6 +50,7 @@ def _rank_main(
             enable_dp_attention=dp,
             num_kv_blocks=64,
             block_size=4,
+            device=device,
         )
         runner = ModelRunner(args, rank, init)
         dp_size = tp if dp else 1
@@ -72,7 +74,9 @@ def _rank_main(
             if logits is not None:
                 mine = [(i, p) for r, i, p in owners if r == (rank if dp else 0)]
                 for (i, p), row in zip(mine, logits, strict=True):
-                    queue.put((i, p, row.tolist()))  # plain data: the rank may exit first
+                    queue.put(
+                        (i, p, row.float().cpu().tolist())
+                    )  # plain data: the rank may exit first
             pos += n
         queue.put(("done", rank, None))
         runner.comm.shutdown()
@@ -80,14 +84,18 @@ def _rank_main(
         queue.put(("error", rank, traceback.format_exc()))
 
 
-def run_layout(model: Path, name: str, seqs: list[list[int]], chunks: list[int], port: int) -> dict:
+def run_layout(
+    model: Path, name: str, seqs: list[list[int]], chunks: list[int], port: int, device: str = "cpu"
+) -> dict:
     """{(seq, position): logits row} from a real group of processes."""
     layout = LAYOUTS[name]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     init = f"tcp://127.0.0.1:{port}"
     procs = [
-        ctx.Process(target=_rank_main, args=(str(model), layout, r, init, seqs, chunks, queue))
+        ctx.Process(
+            target=_rank_main, args=(device, str(model), layout, r, init, seqs, chunks, queue)
+        )
         for r in range(layout[0])
     ]
     for p in procs:

@@ -115,13 +115,17 @@ class Comm:
         return torch.stack(parts)
 
     def all_to_all(
-        self, x: torch.Tensor, send_splits: list[int], recv_splits: list[int]
+        self, x: torch.Tensor, send_splits: list[int], recv_splits: list[int], spare_rows: int = 0
     ) -> torch.Tensor:
-        out = x.new_empty((sum(recv_splits), *x.shape[1:]))
+        """Rows to every rank by `send_splits`; `spare_rows` zero rows follow the received ones."""
+        out = x.new_empty((sum(recv_splits) + spare_rows, *x.shape[1:]))
+        if spare_rows:
+            out[out.shape[0] - spare_rows :].zero_()
+        received = out[: out.shape[0] - spare_rows]
         if not self.active:
-            out.copy_(x)
+            received.copy_(x)
             return out
-        dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits)
+        dist.all_to_all_single(received, x.contiguous(), recv_splits, send_splits)
         return out
 
     # -- control plane (CPU) --------------------------------------------------------------------

@@ -1,0 +1,30 @@
+"""The multi-rank layouts on CUDA with NCCL, against transformers on the CPU (float32)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from layouts import LAYOUTS, run_layout
+from serving import free_port
+from transformers import AutoModelForCausalLM
+
+pytestmark = pytest.mark.gpu
+
+TWO_GPU_LAYOUTS = sorted(n for n, (tp, *_) in LAYOUTS.items() if tp == 2)
+
+
+@pytest.mark.parametrize("name", TWO_GPU_LAYOUTS)
+def test_layout_logits_on_gpus(checkpoint: Path, name: str) -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(9)
+    seqs = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (11, 6, 15)]
+    with torch.no_grad():
+        ref = {i: hf(torch.tensor([s])).logits[0] for i, s in enumerate(seqs)}
+    got = run_layout(checkpoint, name, seqs, [4, 5, 1, 1, 1, 3, 1], free_port(), device="cuda")
+    assert got
+    for (i, pos), row in got.items():
+        torch.testing.assert_close(row, ref[i][pos], atol=1e-4, rtol=0)
