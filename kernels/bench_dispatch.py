@@ -106,7 +106,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: mp.
                 step()
             torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15), flush=True)
-        top = sorted((e for e in prof.events() if e.cpu_parent is None), key=lambda e: e.time_range.start)
+        top = sorted(
+            (e for e in prof.events() if e.cpu_parent is None), key=lambda e: e.time_range.start
+        )
         t0 = top[0].time_range.start
         print("host timeline of the last step (µs from the profile start: start, length, op):")
         for e in top[-40:]:
@@ -134,7 +136,9 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--json", type=Path)
-    p.add_argument("--profile", action="store_true", help="print a torch.profiler table (rank 0, last size)")
+    p.add_argument(
+        "--profile", action="store_true", help="print a torch.profiler table (rank 0, last size)"
+    )
     args = p.parse_args()
     if args.gpus < 2:
         sys.exit("needs at least 2 GPUs")

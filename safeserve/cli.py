@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+from safeserve.bench import add_bench_args
 from safeserve.config import ConfigError, ServerArgs
 
 
@@ -36,10 +37,13 @@ def _serve(ns: argparse.Namespace) -> int:
         if args.device == "cuda":
             import torch
 
-            if torch.cuda.device_count() < args.tp_size:
+            needed = 1 + max(
+                args.device_index(g, r) for g in range(args.num_groups) for r in range(args.tp_size)
+            )
+            if torch.cuda.device_count() < needed:
                 raise LayoutError(
-                    f"--tp-size {args.tp_size} needs {args.tp_size} CUDA devices; "
-                    f"{torch.cuda.device_count()} visible"
+                    f"--num-groups {args.num_groups} x --tp-size {args.tp_size} needs CUDA devices "
+                    f"up to index {needed - 1}; {torch.cuda.device_count()} visible"
                 )
     except (ModelConfigError, LoadError, LayoutError) as e:
         print(f"safeserve: error: {e}", file=sys.stderr)
@@ -60,11 +64,22 @@ def _serve(ns: argparse.Namespace) -> int:
         print(f"safeserve: error: {e}", file=sys.stderr)
         return 2
     config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level, access_log=False
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=False,
+        timeout_graceful_shutdown=args.graceful_shutdown_s,
     )
     server = uvicorn.Server(config)
     server.run()
     return 1 if fatal else 0
+
+
+def _bench(ns: argparse.Namespace) -> int:
+    from safeserve.bench import main as bench_main
+
+    return bench_main(ns)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,6 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     ServerArgs.add_cli_args(serve)
     serve.set_defaults(func=_serve)
+    bench = sub.add_parser(
+        "bench", help="offline decode benchmark: time per token against the memory floor"
+    )
+    add_bench_args(bench)
+    bench.set_defaults(func=_bench)
     return parser
 
 

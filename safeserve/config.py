@@ -20,6 +20,8 @@ DEVICES = ("cpu", "cuda")
 LOAD_FORMATS = ("auto", "dummy")
 A2A_BACKENDS = ("none", "alltoall", "deepep")
 TINY_MODEL = "tiny"
+PREFILL_SIZINGS = ("worst", "observed")
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 class ConfigError(ValueError):
@@ -74,6 +76,9 @@ class ServerArgs:
     log_level: str = _flag(
         "info", "Log level.", "server", choices=("debug", "info", "warning", "error")
     )
+    graceful_shutdown_s: float = _flag(
+        5.0, "On SIGTERM/Ctrl-C, wait this long for open requests before closing them.", "server"
+    )
     startup_timeout_s: float = _flag(
         600.0, "Give up (exit non-zero) if the model is not loaded and warm after this.", "server"
     )
@@ -112,9 +117,98 @@ class ServerArgs:
         False, "Each rank runs attention for its own requests.", "parallel"
     )
 
+    # -- performance ---------------------------------------------------------------------------
+    cuda_graph_max_bs: int = _flag(
+        64,
+        "Largest decode batch run as a CUDA graph (graphs are captured at start-up for batch "
+        "sizes 1, 2, 4, 8, 16, ... up to this; larger batches run eagerly).",
+        "performance",
+    )
+    disable_cuda_graph: bool = _flag(
+        False, "Run decode steps eagerly, without CUDA graphs.", "performance"
+    )
+
+    # -- groups --------------------------------------------------------------------------------
+    num_groups: int = _flag(
+        1,
+        "Independent EP groups serving the model (each --tp-size ranks); the unit of failure.",
+        "groups",
+    )
+    devices: str | None = _flag(
+        None,
+        "Comma-separated CUDA device ids, group after group (default: g*tp .. g*tp+tp-1).",
+        "groups",
+    )
+    crash_loop_failures: int = _flag(
+        3, "A group failing this many times within --crash-loop-window-s stays FAILED.", "groups"
+    )
+    crash_loop_window_s: float = _flag(300.0, "Window of the crash-loop rule.", "groups")
+    restart_backoff_s: float = _flag(
+        1.0, "Wait before restarting a failed group; doubles per failure in the window.", "groups"
+    )
+    max_request_attempts: int = _flag(
+        3, "Attempts per request, the first included (migrations after a group fails).", "groups"
+    )
+    migration_wait_s: float = _flag(
+        60.0, "How long a migrating request waits for a READY group per attempt.", "groups"
+    )
+    exit_on_no_groups: bool = _flag(
+        False, "Exit non-zero when every group is FAILED for good (crash loop).", "groups"
+    )
+
+    # -- guards --------------------------------------------------------------------------------
+    dispatch_budget_tokens: int | None = _flag(
+        None,
+        "Rows a rank may receive in one dispatch round (admission); the buffers are "
+        "preallocated at that size. Default: from memory left after weights and KV cache; "
+        "0 turns admission off.",
+        "guards",
+    )
+    dispatch_memory_gb: float = _flag(
+        0.25, "Memory per rank for dispatch buffers on CPU, in GiB (default budget).", "guards"
+    )
+    prefill_sizing: str = _flag(
+        "worst",
+        "Step/chunk size per attention group: 'worst' fits every group's tokens on one rank; "
+        "'observed' fits the measured imbalance, admission rounds as the net.",
+        "guards",
+        choices=PREFILL_SIZINGS,
+    )
+
     # -- health --------------------------------------------------------------------------------
-    heartbeat_interval_s: float = _flag(
-        0.5, "Heartbeat period of an idle rank (busy ranks beat at every phase).", "health"
+    heartbeat_interval_s: float = _flag(0.25, "Period of every rank's heartbeat.", "health")
+    watchdog_stall_timeout: float = _flag(
+        10.0,
+        "A group whose progress stopped this long is 'stalled' and fenced (killed).",
+        "health",
+    )
+    watchdog_slow_factor: float = _flag(
+        4.0, "'slow': a rank's own step time above this many times the group median.", "health"
+    )
+    watchdog_slow_window_s: float = _flag(
+        3.0, "'slow' must hold this long (sustained) before it is reported.", "health"
+    )
+
+    # -- admin ---------------------------------------------------------------------------------
+    admin_host: str = _flag(
+        "127.0.0.1", "Address the admin API binds (loopback unless told otherwise).", "admin"
+    )
+    admin_port: int | None = _flag(None, "Port of the admin API (default: --port + 1).", "admin")
+    admin_api_key: str | None = _flag(
+        None,
+        "Bearer token required on /admin/* (required when --admin-host is not loopback).",
+        "admin",
+        env="SAFESERVE_ADMIN_API_KEY",
+    )
+    fault_fail_start_group: int | None = _flag(
+        None,
+        "Fault injection: the ranks of this group fail at start-up (crash-loop tests).",
+        "admin",
+    )
+    enable_fault_injection: bool = _flag(
+        False,
+        "Expose POST /admin/faults (route skew, slow rank) for tests and chaos runs.",
+        "admin",
     )
 
     def __post_init__(self) -> None:
@@ -139,6 +233,8 @@ class ServerArgs:
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.cuda_graph_max_bs < 1:
+            raise ConfigError("--cuda-graph-max-bs must be at least 1")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size < 1:
             raise ConfigError("--chunked-prefill-size must be at least 1")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
@@ -149,6 +245,33 @@ class ServerArgs:
             raise ConfigError("--mem-fraction-static must be in (0, 1]")
         if self.max_request_body_bytes < 1024:
             raise ConfigError("--max-request-body-bytes must be at least 1024")
+        if self.dispatch_budget_tokens is not None and self.dispatch_budget_tokens < 0:
+            raise ConfigError("--dispatch-budget-tokens must be 0 (off) or positive")
+        if self.prefill_sizing not in PREFILL_SIZINGS:
+            raise ConfigError(f"--prefill-sizing must be one of {', '.join(PREFILL_SIZINGS)}")
+        if (
+            self.heartbeat_interval_s <= 0
+            or self.watchdog_stall_timeout <= self.heartbeat_interval_s
+        ):
+            raise ConfigError("--watchdog-stall-timeout must exceed --heartbeat-interval-s (> 0)")
+        if self.admin_host not in LOOPBACK_HOSTS and not self.admin_api_key:
+            raise ConfigError("--admin-host off loopback needs --admin-api-key")
+        if self.num_groups < 1 or self.max_request_attempts < 1 or self.crash_loop_failures < 1:
+            raise ConfigError(
+                "--num-groups, --max-request-attempts, --crash-loop-failures must be >= 1"
+            )
+        if self.fault_fail_start_group is not None and not self.enable_fault_injection:
+            raise ConfigError("--fault-fail-start-group needs --enable-fault-injection")
+        if self.devices is not None:
+            ids = [d for d in self.devices.split(",") if d.strip()]
+            if (
+                not all(d.strip().isdigit() for d in ids)
+                or len(ids) != self.num_groups * self.tp_size
+            ):
+                raise ConfigError(
+                    f"--devices needs {self.num_groups * self.tp_size} comma-separated device ids "
+                    "(--num-groups x --tp-size)"
+                )
         if self.moe_a2a_backend == "deepep":
             raise ConfigError("--moe-a2a-backend deepep is not available yet; use none or alltoall")
         self._apply_layout_rules()
@@ -175,6 +298,16 @@ class ServerArgs:
     def model_name(self) -> str:
         return self.served_model_name or self.model
 
+    def device_index(self, group: int, rank: int) -> int:
+        """The CUDA device of a group's rank."""
+        if self.devices:
+            return int(self.devices.split(",")[group * self.tp_size + rank])
+        return group * self.tp_size + rank
+
+    @property
+    def admin_port_effective(self) -> int:
+        return self.admin_port if self.admin_port is not None else self.port + 1
+
     @property
     def prefill_chunk(self) -> int:
         chunk = self.chunked_prefill_size or self.max_num_batched_tokens
@@ -182,8 +315,9 @@ class ServerArgs:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        if d.get("api_key"):
-            d["api_key"] = "***"
+        for secret in ("api_key", "admin_api_key"):
+            if d.get(secret):
+                d[secret] = "***"
         return d
 
     # -- argparse ------------------------------------------------------------------------------
@@ -195,7 +329,10 @@ class ServerArgs:
             "server": "HTTP server",
             "scheduler": "scheduling and KV cache",
             "parallel": "parallelism",
-            "health": "health",
+            "performance": "performance",
+            "guards": "guards",
+            "health": "health and watchdog",
+            "admin": "admin API",
         }
         for f in dataclasses.fields(cls):
             meta = f.metadata

@@ -21,6 +21,9 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # A continuation (a migrated request) already produced this many tokens elsewhere: seeded
+    # sampling draws output i as output `output_offset + i`, so the stream goes on unchanged.
+    output_offset: int = 0
 
     @property
     def greedy(self) -> bool:
@@ -43,6 +46,21 @@ class AbortRequest:
 @dataclass
 class Shutdown:
     pass
+
+
+FAULT_KINDS = ("route_skew", "slow_rank", "clear")
+
+
+@dataclass
+class InjectFault:
+    """Fault injection (only with --enable-fault-injection): `route_skew` sends every top-k
+    choice to the experts starting at `expert`; `slow_rank` delays `rank`'s steps by `delay_s`;
+    `clear` removes every fault."""
+
+    kind: str
+    expert: int | None = None
+    rank: int | None = None
+    delay_s: float = 0.0
 
 
 # -- group -> frontend ------------------------------------------------------------------------
@@ -79,6 +97,7 @@ class GroupReady:
     num_kv_blocks: int
     block_size: int
     vocab_size: int
+    guards: dict = field(default_factory=dict)  # effective admission budget and prefill sizing
 
 
 @dataclass
@@ -92,9 +111,15 @@ class GroupFatal:
 
 @dataclass
 class Heartbeat:
+    """Sent by a thread of every rank each heartbeat interval, whatever its main thread does:
+    a rank blocked in a collective still beats (its phase does not move), a stopped or dead one
+    does not."""
+
     group: int
     rank: int
     pid: int
     step: int
     phase: str
-    time: float  # time.time() on the rank
+    time: float  # time.time() on the rank when sent
+    phase_since: float = 0.0  # time.time() when the rank entered `phase`
+    stats: dict = field(default_factory=dict)  # RankStats fields

@@ -25,6 +25,7 @@ class Server:
     proc: subprocess.Popen
     url: str
     log: Path
+    admin_url: str = ""
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
@@ -34,6 +35,11 @@ def start_server(
     args: list[str], log: Path, timeout: float = 120.0, env: dict | None = None
 ) -> Server:
     port = free_port()
+    admin_port = free_port()
+    if "--admin-port" not in args:
+        args = [*args, "--admin-port", str(admin_port)]
+    else:
+        admin_port = int(args[args.index("--admin-port") + 1])
     cmd = [sys.executable, "-m", "safeserve.cli", "serve", "--port", str(port), *args]
     fh = log.open("w")
     proc = subprocess.Popen(
@@ -50,7 +56,7 @@ def start_server(
             raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text()}")
         try:
             if httpx.get(url + "/ready", timeout=1.0).status_code == 200:
-                return Server(proc, url, log)
+                return Server(proc, url, log, f"http://127.0.0.1:{admin_port}")
         except httpx.HTTPError:
             pass
         time.sleep(0.2)

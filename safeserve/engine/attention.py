@@ -1,9 +1,14 @@
-"""Attention over the paged KV cache (torch path; GPU kernels come later).
+"""Attention over the paged KV cache.
 
 The cache of one layer is a pair of tensors `[num_blocks * block_size, kv_heads, head_dim]`; a
 token at position `p` of a request lives in slot `block_table[p // block_size] * block_size +
 p % block_size`. Each step writes the new tokens' keys/values into their slots, then every
 sequence attends over slots `0 .. context_len-1` read back through its block table.
+
+Two paths: on CUDA a step whose sequences all decode one token runs the Triton decode kernel
+straight over the block tables (`safeserve.kernels.paged_attention`, no per-sequence loop, CUDA
+graph safe); everything else (CPU, prefill chunks, mixed steps) runs the torch path below, one
+SDPA call per sequence, which is also the kernel's test oracle.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from safeserve.kernels import paged_attention as pa
 
 
 @dataclass
@@ -26,8 +33,17 @@ class SeqAttention:
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] int64, where each new token's K/V goes
-    seqs: list[SeqAttention]
+    slot_mapping: torch.Tensor  # [T] int64, where each new token's K/V goes (-1: nowhere)
+    seqs: list[SeqAttention]  # the torch path's view; empty on the decode-kernel path
+    # Decode-kernel path (CUDA, one query token per sequence): [B, W] int32 block tables,
+    # [B] int32 context lengths (0 for padding rows), and the block size.
+    block_tables: torch.Tensor | None = None
+    context_lens: torch.Tensor | None = None
+    block_size: int = 0
+
+    @property
+    def is_decode_kernel(self) -> bool:
+        return self.block_tables is not None
 
     @staticmethod
     def build(
@@ -37,6 +53,8 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device | str,
     ) -> AttentionMetadata:
+        if _decode_kernel_applies(query_lens, device):
+            return AttentionMetadata.build_decode(context_lens, block_tables, block_size, device)
         seqs: list[SeqAttention] = []
         slot_chunks: list[torch.Tensor] = []
         start = 0
@@ -55,6 +73,42 @@ class AttentionMetadata:
         )
         return AttentionMetadata(slot_mapping, seqs)
 
+    @staticmethod
+    def build_decode(
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device | str,
+    ) -> AttentionMetadata:
+        """Metadata of the decode kernel: one query token per sequence, at position ctx - 1."""
+        widths = [(ctx + block_size - 1) // block_size for ctx in context_lens]
+        width = max(widths, default=1)
+        rows = [t[:w] + [0] * (width - w) for t, w in zip(block_tables, widths, strict=True)]
+        slots = [
+            t[(ctx - 1) // block_size] * block_size + (ctx - 1) % block_size
+            for t, ctx in zip(block_tables, context_lens, strict=True)
+        ]
+        return AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(device, non_blocking=True),
+            seqs=[],
+            block_tables=torch.tensor(rows, dtype=torch.int32)
+            .reshape(len(rows), width)
+            .to(device, non_blocking=True),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32).to(
+                device, non_blocking=True
+            ),
+            block_size=block_size,
+        )
+
+
+def _decode_kernel_applies(query_lens: list[int], device: torch.device | str) -> bool:
+    return (
+        pa.HAS_TRITON
+        and torch.device(device).type == "cuda"
+        and len(query_lens) > 0
+        and all(n == 1 for n in query_lens)
+    )
+
 
 def paged_attention(
     q: torch.Tensor,
@@ -66,6 +120,12 @@ def paged_attention(
 ) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D] of this step's tokens. Returns [T, Hq, D]."""
     k_cache, v_cache = kv_cache
+    if meta.is_decode_kernel:
+        assert meta.block_tables is not None and meta.context_lens is not None
+        pa.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return pa.paged_decode(
+            q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.block_size, scale
+        )
     k_cache[meta.slot_mapping] = k.to(k_cache.dtype)
     v_cache[meta.slot_mapping] = v.to(v_cache.dtype)
     num_heads, num_kv_heads = q.shape[1], k.shape[1]

@@ -13,10 +13,11 @@ from collections.abc import Callable
 from safeserve.config import ServerArgs
 from safeserve.engine.kv_cache import BlockAllocator
 from safeserve.engine.model_runner import ModelRunner
-from safeserve.engine.plan import SeqPlan, StepPlan
+from safeserve.engine.plan import Faults, SeqPlan, StepPlan
 from safeserve.engine.request import Request
 from safeserve.engine.scheduler import Scheduler, SchedulerOutput
-from safeserve.messages import EngineStats, RequestOutput, SamplingParams
+from safeserve.guards.prefill_sizing import PrefillSizer, PrefillSizing
+from safeserve.messages import EngineStats, InjectFault, RequestOutput, SamplingParams
 from safeserve.model.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -55,20 +56,53 @@ class Engine:
             args.max_num_batched_tokens,
             args.prefill_chunk,
         )
+        guard = self.runner.guard_sizing()
+        self.sizer = PrefillSizer(
+            args.prefill_sizing,
+            guard["dispatch_budget_tokens"],
+            dp_size,
+            args.max_num_batched_tokens,
+            args.chunked_prefill_size,
+        )
+        self._apply_sizing(self.sizer.sizing)
+        self.guard_info = guard
+        self.faults = Faults()
         # The tokenizer's files (generation_config.json, eos_token) may name more stop ids.
         tokenizer = load_tokenizer(args.model, cfg.eos_token_ids, args.load_format == "dummy")
         self.eos_token_ids = set(tokenizer.eos_token_ids)
         self.step_id = 0
         logger.info(
             "engine ready: %d attention rank(s) x %d KV blocks of %d tokens, max model length %d, "
-            "chunk %d, budget %d",
+            "chunk %d, step budget %d per attention rank",
             dp_size,
             self.num_blocks,
             args.block_size,
             self.max_model_len,
-            args.prefill_chunk,
-            args.max_num_batched_tokens,
+            self.scheduler.chunk,
+            self.scheduler.token_budget,
         )
+
+    def _apply_sizing(self, sizing: PrefillSizing) -> None:
+        self.scheduler.token_budget = sizing.step_tokens
+        self.scheduler.chunk = min(sizing.chunk, sizing.step_tokens)
+
+    def guards(self) -> dict:
+        """Effective admission budget and prefill sizing (GET /admin/config shows them)."""
+        return {**self.guard_info, "prefill": self.sizer.sizing.to_dict()}
+
+    def inject_fault(self, fault: InjectFault) -> None:
+        if fault.kind == "clear":
+            self.faults = Faults()
+        elif fault.kind == "route_skew":
+            self.faults = Faults(fault.expert, dict(self.faults.delay_s))
+        elif fault.kind == "slow_rank":
+            delays = dict(self.faults.delay_s)
+            if fault.rank is None or fault.delay_s <= 0:
+                delays.pop(fault.rank, None)  # type: ignore[arg-type]
+            else:
+                delays[fault.rank] = fault.delay_s
+            self.faults = Faults(self.faults.route_skew_expert, delays)
+        logger.warning("fault injection: %s -> %s", fault, self.faults)
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -118,10 +152,10 @@ class Engine:
                     start,
                     list(req.block_ids),
                     req.params if s.samples else None,
-                    req.num_output_tokens,
+                    req.params.output_offset + req.num_output_tokens,
                 )
             )
-        return StepPlan(self.step_id, per_rank)
+        return StepPlan(self.step_id, per_rank, faults=self.faults)
 
     def run(self, plan: StepPlan) -> list[list[int]]:
         """Every rank runs the plan; returns the sampled tokens of each attention rank."""
@@ -129,6 +163,10 @@ class Engine:
         comm.broadcast_object(plan)
         mine = self.runner.execute(plan)
         gathered = comm.gather_objects(mine)
+        dispatcher = self.runner.dispatcher
+        changed = self.sizer.observe(dispatcher.step_peak_share if dispatcher else None)
+        if changed is not None:
+            self._apply_sizing(changed)
         assert gathered is not None
         if self.runner.layout.dp_attention:
             return gathered  # type: ignore[return-value]
@@ -136,7 +174,9 @@ class Engine:
 
     def broadcast_idle(self) -> None:
         """Tells the other ranks the leader is alive while there is no work."""
-        self.runner.comm.broadcast_object(StepPlan(self.step_id, idle=True))
+        plan = StepPlan(self.step_id, idle=True, faults=self.faults)
+        self.runner.comm.broadcast_object(plan)
+        self.runner.apply_faults(plan.faults)
 
     def shutdown(self) -> None:
         self.runner.comm.broadcast_object(StepPlan(self.step_id, shutdown=True))
@@ -172,16 +212,18 @@ class Engine:
         return None
 
 
-def follower_loop(runner: ModelRunner, on_idle: Callable[[int], None]) -> None:
-    """Ranks 1..n-1: run every plan the leader broadcasts until it says shut down."""
+def follower_loop(runner: ModelRunner, on_plan: Callable[[int, bool], None]) -> None:
+    """Ranks 1..n-1: run every plan the leader broadcasts until it says shut down.
+    `on_plan(step, idle)` is called for every plan received."""
     while True:
         plan = runner.comm.broadcast_object(None)
         assert isinstance(plan, StepPlan)
         if plan.shutdown:
             runner.comm.shutdown()
             return
+        on_plan(plan.step, plan.idle)
         if plan.idle:
-            on_idle(plan.step)
+            runner.apply_faults(plan.faults)
             continue
         tokens = runner.execute(plan)
         runner.comm.gather_objects(tokens)

@@ -8,16 +8,19 @@ Ranks with no tokens still run the forward pass, so that every MoE collective ha
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 import torch
 
 from safeserve.config import ServerArgs
 from safeserve.engine.attention import AttentionMetadata
+from safeserve.engine.cuda_graph import DecodeCudaGraphs
 from safeserve.engine.kv_cache import KVCache
 from safeserve.engine.parallel import Comm, Layout
-from safeserve.engine.plan import SeqPlan, StepPlan
+from safeserve.engine.plan import Faults, SeqPlan, StepPlan
 from safeserve.engine.sampler import sample
+from safeserve.guards.admission import DispatchBuffers, bytes_per_recv_row
 from safeserve.model.loader import DTYPES, build_model, load_model_config
 from safeserve.model.sharding import expert_split, head_split
 from safeserve.moe.dispatch import StepTokens, make_dispatcher
@@ -27,9 +30,9 @@ logger = logging.getLogger(__name__)
 PhaseCallback = Callable[[int, str], None]
 
 
-def rank_device(args: ServerArgs, rank: int) -> torch.device:
+def rank_device(args: ServerArgs, rank: int, device_index: int | None = None) -> torch.device:
     if args.device == "cuda":
-        return torch.device("cuda", rank)
+        return torch.device("cuda", rank if device_index is None else device_index)
     return torch.device("cpu")
 
 
@@ -40,10 +43,12 @@ class ModelRunner:
         rank: int = 0,
         init_method: str | None = None,
         on_phase: PhaseCallback | None = None,
+        capture_cuda_graphs: bool = True,
+        device_index: int | None = None,
     ) -> None:
         self.args = args
         self.layout = Layout(rank, args.tp_size, args.ep_size, args.enable_dp_attention)
-        self.device = rank_device(args, rank)
+        self.device = rank_device(args, rank, device_index)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.comm = Comm(self.layout, self.device)
@@ -83,8 +88,101 @@ class ModelRunner:
             DTYPES[args.dtype],
             self.device,
         )
+        self.buffers = self._setup_admission()
+        self.faults = Faults()
+        self.last_own_step_s = 0.0  # this rank's step time outside collectives
+        self.cuda_graphs: DecodeCudaGraphs | None = None
+        if capture_cuda_graphs:
+            self.capture_cuda_graphs()
+
+    def capture_cuda_graphs(self) -> None:
+        """Decode steps as CUDA graphs (single-rank CUDA groups; see engine/cuda_graph.py)."""
+        args = self.args
+        if self.device.type != "cuda" or args.disable_cuda_graph or args.tp_size > 1:
+            return
+        max_bs = min(args.cuda_graph_max_bs, args.max_running_requests)
+        graphs = DecodeCudaGraphs(
+            self.model, self.kv.layers, max_bs, self.max_model_len, args.block_size, self.device
+        )
+        try:
+            graphs.capture()
+        except RuntimeError as e:  # a forward that cannot be captured still serves, eagerly
+            logger.warning("CUDA graph capture failed, decoding eagerly: %s", e)
+            return
+        self.cuda_graphs = graphs
 
     # -- start-up -------------------------------------------------------------------------------
+    def _setup_admission(self) -> DispatchBuffers | None:
+        """Preallocates the dispatch buffers at the receive budget (the same on every rank)."""
+        cfg, args = self.config, self.args
+        if self.dispatcher is None or args.dispatch_budget_tokens == 0:
+            return None
+        placement, i0, i1 = expert_split(cfg, self.layout)
+        dtype = DTYPES[args.dtype]
+        row_bytes = bytes_per_recv_row(
+            cfg.hidden_size, i1 - i0, cfg.num_experts_per_tok, placement.experts_per_rank, dtype
+        )
+        if args.dispatch_budget_tokens is not None:
+            budget = args.dispatch_budget_tokens
+        else:
+            if self.device.type == "cuda":
+                # Half of what is left after weights and KV cache; the rest is for activations.
+                free_bytes = torch.cuda.mem_get_info(self.device)[0] // 2
+            else:
+                free_bytes = int(args.dispatch_memory_gb * (1 << 30))
+            # More than a full step of every attention group's tokens is never received.
+            useful = self.layout.dp_size * args.max_num_batched_tokens
+            budget = max(1, min(useful, free_bytes // row_bytes))
+        budget = self._agree_min(budget)
+        buffers = DispatchBuffers.allocate(
+            budget, cfg.hidden_size, i1 - i0, cfg.num_experts_per_tok, dtype, self.device
+        )
+        self.dispatcher.buffers = buffers
+        return buffers
+
+    def guard_sizing(self) -> dict:
+        """The numbers the leader sizes prefill chunks from (and /admin/config shows)."""
+        cfg = self.config
+        info: dict = {
+            "dispatch_budget_tokens": self.buffers.max_recv_tokens if self.buffers else None
+        }
+        if self.buffers is not None:
+            placement = expert_split(cfg, self.layout)[0]
+            info.update(
+                dispatch_buffer_bytes=self.buffers.nbytes,
+                bytes_per_recv_row=self.buffers.row_bytes(),
+                attention_groups=self.layout.dp_size,
+                top_k=cfg.num_experts_per_tok,
+                local_experts=placement.experts_per_rank,
+            )
+        return info
+
+    def stats(self) -> dict:
+        """What this rank's heartbeats carry besides (step, phase)."""
+        out: dict = {"own_step_s": self.last_own_step_s, "device": str(self.device)}
+        if self.device.type == "cuda":
+            out["memory_bytes"] = torch.cuda.memory_allocated(self.device)
+            out["memory_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
+        if self.buffers is not None:
+            st = self.buffers.stats
+            out.update(
+                dispatch_budget_tokens=st.budget,
+                dispatch_recv_tokens_peak=st.recv_peak,
+                dispatch_rounds_total=st.rounds_total,
+                dispatch_cut_total=st.dispatches_cut,
+                dispatch_buffer_bytes=st.buffer_bytes,
+                dispatch_buffer_peak_bytes=st.buffer_peak_bytes,
+            )
+        return out
+
+    def apply_faults(self, faults: Faults | None) -> None:
+        faults = faults or Faults()
+        if faults.route_skew_expert != self.faults.route_skew_expert:
+            for layer in self.model.layers:
+                if layer.is_moe:
+                    layer.mlp.gate.skew_expert = faults.route_skew_expert
+        self.faults = faults
+
     def _num_kv_blocks(self) -> int:
         args, cfg = self.args, self.config
         heads = head_split(cfg, self.layout)
@@ -122,13 +220,23 @@ class ModelRunner:
 
     def execute(self, plan: StepPlan) -> list[int]:
         """Runs this rank's part of the plan; returns the tokens it sampled, in plan order."""
+        start, waited = time.perf_counter(), self.comm.wait_s
+        self.apply_faults(plan.faults)
+        delay = self.faults.delay_s.get(self.layout.rank, 0.0)
+        if delay > 0:
+            time.sleep(delay)  # fault injection: a slow rank
         logits, sampling = self.run_plan(plan)
-        if logits is None:
-            return []
-        self.on_phase(plan.step, "sample")
-        return sample(
-            logits, [s.params for s in sampling], [s.output_index for s in sampling], self.args.seed
-        )
+        tokens: list[int] = []
+        if logits is not None:
+            self.on_phase(plan.step, "sample")
+            tokens = sample(
+                logits,
+                [s.params for s in sampling],
+                [s.output_index for s in sampling],
+                self.args.seed,
+            )
+        self.last_own_step_s = (time.perf_counter() - start) - (self.comm.wait_s - waited)
+        return tokens
 
     def run_plan(self, plan: StepPlan) -> tuple[torch.Tensor | None, list[SeqPlan]]:
         """The forward pass of this rank's part; logits of its sampling rows when it samples."""
@@ -150,7 +258,15 @@ class ModelRunner:
             return None, sampling
         return self.model.compute_logits(hidden[sample_rows]), sampling
 
+    def _faults_active(self) -> bool:
+        return getattr(self.faults, "route_skew_expert", None) is not None
+
     def _forward(self, seqs: list[SeqPlan]) -> tuple[torch.Tensor, torch.Tensor]:
+        graphs = self.cuda_graphs
+        # A captured graph ignores fault hooks set after capture: faulted steps run eagerly.
+        if graphs is not None and graphs.can_run(seqs) and not self._faults_active():
+            rows = [i for i, s in enumerate(seqs) if s.params is not None]
+            return graphs.run(seqs), torch.tensor(rows, dtype=torch.int64, device=self.device)
         ids: list[int] = []
         positions: list[int] = []
         sample_rows: list[int] = []

@@ -9,6 +9,9 @@ rank of a block holds a slice of those experts' FFN width.
 from __future__ import annotations
 
 import datetime
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +65,17 @@ class Comm:
         self.device = device
         self.world = layout.tp_size
         self.cpu_group: dist.ProcessGroup | None = None
+        # Host time spent inside collectives (waiting for peers, mostly): the watchdog's "own
+        # step time" of a rank is its step time minus this.
+        self.wait_s = 0.0
+
+    @contextmanager
+    def _waiting(self) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.wait_s += time.perf_counter() - start
 
     @property
     def active(self) -> bool:
@@ -92,7 +106,8 @@ class Comm:
     # -- model collectives ----------------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.active:
-            dist.all_reduce(x)
+            with self._waiting():
+                dist.all_reduce(x)
         return x
 
     def all_gather_rows(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
@@ -103,7 +118,8 @@ class Comm:
         padded = x.new_zeros((width, *x.shape[1:]))
         padded[: x.shape[0]] = x
         parts = [torch.empty_like(padded) for _ in range(self.world)]
-        dist.all_gather(parts, padded)
+        with self._waiting():
+            dist.all_gather(parts, padded)
         return torch.cat([p[:n] for p, n in zip(parts, sizes, strict=True)])
 
     def all_gather_counts(self, counts: torch.Tensor) -> torch.Tensor:
@@ -111,21 +127,31 @@ class Comm:
         if not self.active:
             return counts[None]
         parts = [torch.empty_like(counts) for _ in range(self.world)]
-        dist.all_gather(parts, counts)
+        with self._waiting():
+            dist.all_gather(parts, counts)
         return torch.stack(parts)
 
+    def to_host(self, t: torch.Tensor) -> list:
+        """`t.tolist()`, counted as waiting: on GPUs this is where a late peer is waited for."""
+        with self._waiting():
+            return t.tolist()
+
     def all_to_all(
-        self, x: torch.Tensor, send_splits: list[int], recv_splits: list[int], spare_rows: int = 0
+        self,
+        x: torch.Tensor,
+        send_splits: list[int],
+        recv_splits: list[int],
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Rows to every rank by `send_splits`; `spare_rows` zero rows follow the received ones."""
-        out = x.new_empty((sum(recv_splits) + spare_rows, *x.shape[1:]))
-        if spare_rows:
-            out[out.shape[0] - spare_rows :].zero_()
-        received = out[: out.shape[0] - spare_rows]
+        """Rows to every rank by `send_splits`; received into `out` when given (a preallocated
+        buffer view of exactly `sum(recv_splits)` rows)."""
+        if out is None:
+            out = x.new_empty((sum(recv_splits), *x.shape[1:]))
         if not self.active:
-            received.copy_(x)
+            out.copy_(x)
             return out
-        dist.all_to_all_single(received, x.contiguous(), recv_splits, send_splits)
+        with self._waiting():
+            dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits)
         return out
 
     # -- control plane (CPU) --------------------------------------------------------------------
@@ -133,7 +159,8 @@ class Comm:
         if not self.active:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self.cpu_group)
+        with self._waiting():
+            dist.broadcast_object_list(box, src=0, group=self.cpu_group)
         return box[0]
 
     def gather_objects(self, obj: object) -> list[object] | None:
@@ -141,5 +168,6 @@ class Comm:
         if not self.active:
             return [obj]
         out: list[object] | None = [None] * self.world if self.layout.rank == 0 else None
-        dist.gather_object(obj, out, dst=0, group=self.cpu_group)
+        with self._waiting():
+            dist.gather_object(obj, out, dst=0, group=self.cpu_group)
         return out

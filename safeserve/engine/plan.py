@@ -23,6 +23,14 @@ class SeqPlan:
 
 
 @dataclass
+class Faults:
+    """Injected faults every rank applies (fault injection only)."""
+
+    route_skew_expert: int | None = None
+    delay_s: dict[int, float] = field(default_factory=dict)  # rank -> delay per step
+
+
+@dataclass
 class StepPlan:
     step: int
     # Attention rank -> its sequences. With tensor-parallel attention there is one list, which
@@ -30,3 +38,4 @@ class StepPlan:
     per_rank: list[list[SeqPlan]] = field(default_factory=list)
     idle: bool = False  # nothing to compute: ranks only report they are alive
     shutdown: bool = False
+    faults: Faults | None = None

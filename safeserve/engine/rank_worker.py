@@ -8,8 +8,10 @@ import logging
 import os
 import pickle
 import signal
+import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq
@@ -21,6 +23,7 @@ from safeserve.messages import (
     GroupFatal,
     GroupReady,
     Heartbeat,
+    InjectFault,
     RequestOutput,
     Shutdown,
     StepOutputs,
@@ -39,22 +42,47 @@ class GroupAddresses:
 
 
 class _Heartbeats:
-    def __init__(self, ctx: zmq.Context, addr: str, group: int, rank: int) -> None:
+    """The main thread records (step, phase) for free; a daemon thread sends them every
+    interval. A rank blocked in a collective keeps beating with a phase that does not move; a
+    stopped or dead rank stops beating. Both are what the watchdog tells apart."""
+
+    def __init__(self, ctx: zmq.Context, addr: str, group: int, rank: int, interval: float) -> None:
         self.sock = ctx.socket(zmq.PUSH)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.SNDHWM, 1000)
+        self.sock.setsockopt(zmq.SNDHWM, 100)
         self.sock.connect(addr)
         self.group, self.rank, self.pid = group, rank, os.getpid()
-        self.step, self.phase, self.last = 0, "idle", 0.0
+        self.interval = interval
+        self.step, self.phase, self.phase_since = 0, "starting", time.time()
+        self.stats: Callable[[], dict] = dict
+        self._wake = threading.Event()
+        threading.Thread(target=self._run, name="heartbeat", daemon=True).start()
 
     def beat(self, step: int, phase: str) -> None:
-        self.step, self.phase = step, phase
-        self.last = time.time()
-        msg = Heartbeat(self.group, self.rank, self.pid, step, phase, self.last)
-        try:
-            self.sock.send(pickle.dumps(msg), flags=zmq.NOBLOCK)
-        except zmq.Again:
-            pass  # the frontend is behind; the next beat says the same thing
+        if phase != self.phase or step != self.step:
+            self.step, self.phase, self.phase_since = step, phase, time.time()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                stats = self.stats()
+            except Exception:  # stats must never stop the beat
+                stats = {}
+            msg = Heartbeat(
+                self.group,
+                self.rank,
+                self.pid,
+                self.step,
+                self.phase,
+                time.time(),
+                self.phase_since,
+                stats,
+            )
+            try:
+                self.sock.send(pickle.dumps(msg), flags=zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # the frontend is behind; the next beat says the same thing
+            self._wake.wait(self.interval)
 
 
 def _setup(args: ServerArgs, group: int, rank: int) -> None:
@@ -62,8 +90,10 @@ def _setup(args: ServerArgs, group: int, rank: int) -> None:
         level=args.log_level.upper(),
         format=f"%(asctime)s [group {group} rank {rank}] %(levelname)s %(message)s",
     )
-    # Ctrl-C reaches the whole process group: the frontend decides when ranks stop.
+    # Ctrl-C (and a SIGTERM to the whole process group) reaches every rank: the frontend
+    # decides when ranks stop, and stops them in order; ranks exit by themselves if it dies.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def _fatal(out: zmq.Socket, group: int, rank: int, what: str, e: BaseException) -> None:
@@ -74,7 +104,13 @@ def _fatal(out: zmq.Socket, group: int, rank: int, what: str, e: BaseException) 
 
 
 def run_rank(
-    args: ServerArgs, group: int, rank: int, addrs: GroupAddresses, init_method: str
+    args: ServerArgs,
+    group: int,
+    rank: int,
+    addrs: GroupAddresses,
+    init_method: str,
+    device_index: int | None = None,
+    fail_at_start: bool = False,
 ) -> None:
     """Entry point of every rank process of a group (spawned by the frontend)."""
     _setup(args, group, rank)
@@ -83,15 +119,20 @@ def run_rank(
     out = ctx.socket(zmq.PUSH)
     out.setsockopt(zmq.LINGER, 1000)
     out.connect(addrs.outputs)
-    hb = _Heartbeats(ctx, addrs.heartbeats, group, rank)
-    hb.beat(0, "starting")
+    hb = _Heartbeats(ctx, addrs.heartbeats, group, rank, args.heartbeat_interval_s)
     try:
         import torch
 
         from safeserve.engine.model_runner import ModelRunner
 
         torch.manual_seed(args.seed)
-        runner = ModelRunner(args, rank, init_method, on_phase=hb.beat)
+        if args.device == "cpu":
+            # The group's ranks share this machine's cores: more threads than cores thrash.
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.tp_size))
+        if fail_at_start:
+            raise RuntimeError("injected start-up failure (--fault-fail-start-group)")
+        runner = ModelRunner(args, rank, init_method, on_phase=hb.beat, device_index=device_index)
+        hb.stats = runner.stats
     except Exception as e:  # start-up failure: tell the frontend in one line, then exit
         _fatal(out, group, rank, "start-up failed", e)
     if rank == 0:
@@ -99,13 +140,14 @@ def run_rank(
         return
     from safeserve.engine.engine import follower_loop
 
-    def on_idle(step: int) -> None:
-        hb.beat(step, "idle")
-        if os.getppid() != parent:
+    def on_plan(step: int, idle: bool) -> None:
+        if idle:
+            hb.beat(step, "idle")
+        if os.getppid() != parent:  # the frontend is gone (killed): do not outlive it
             os._exit(0)
 
     try:
-        follower_loop(runner, on_idle)
+        follower_loop(runner, on_plan)
     except Exception as e:  # the leader went away mid-collective, or a step failed
         _fatal(out, group, rank, "step failed", e)
     logger.info("shut down")
@@ -122,7 +164,12 @@ def _lead(args, group, runner, out, ctx, addrs, hb, parent) -> None:  # type: ig
     except Exception as e:
         _fatal(out, group, 0, "start-up failed", e)
     ready = GroupReady(
-        group, engine.max_model_len, engine.num_blocks, args.block_size, engine.config.vocab_size
+        group,
+        engine.max_model_len,
+        engine.num_blocks,
+        args.block_size,
+        engine.config.vocab_size,
+        engine.guards(),
     )
     out.send(pickle.dumps(ready))
     poller = zmq.Poller()
@@ -144,15 +191,15 @@ def _lead(args, group, runner, out, ctx, addrs, hb, parent) -> None:  # type: ig
                     out.close(linger=500)
                     return
                 outputs.extend(_handle(engine, msg))
+        if os.getppid() != parent:  # the frontend is gone: nobody will read our outputs
+            logger.warning("frontend exited; leader stopping")
+            os._exit(0)
         try:
             if engine.has_work():
                 outputs.extend(engine.step())
             else:
                 hb.beat(engine.step_id, "idle")
                 engine.broadcast_idle()
-                if os.getppid() != parent:  # the frontend is gone: nobody will read our outputs
-                    logger.warning("frontend exited; leader stopping")
-                    os._exit(0)
         except Exception as e:
             _fatal(out, group, 0, "step failed", e)
         now = time.monotonic()
@@ -171,6 +218,9 @@ def _handle(engine, msg: object) -> list[RequestOutput]:  # type: ignore[no-unty
         return []
     if isinstance(msg, AbortRequest):
         engine.abort_request(msg.rid)
+        return []
+    if isinstance(msg, InjectFault):
+        engine.inject_fault(msg)
         return []
     logger.warning("unknown message %r", type(msg).__name__)
     return []

@@ -394,6 +394,7 @@ if HAS_TRITON:
         GROUP_M: tl.constexpr,
         PAIR_MODE: tl.constexpr,
         EVEN_K: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
         USE_PDL: tl.constexpr,
     ):
         """out[row, n] = w_pair * silu(x @ gate[e].T) * (x @ up[e].T) for one row tile of one expert.
@@ -451,8 +452,8 @@ if HAS_TRITON:
                 a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
                 bg = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
                 bu = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
-            acc_g = tl.dot(a, bg, acc_g)
-            acc_u = tl.dot(a, bu, acc_u)
+            acc_g = tl.dot(a, bg, acc_g, input_precision=DOT_PRECISION)
+            acc_u = tl.dot(a, bu, acc_u, input_precision=DOT_PRECISION)
             a_ptrs += BLOCK_K
             g_ptrs += BLOCK_K
             u_ptrs += BLOCK_K
@@ -484,6 +485,7 @@ if HAS_TRITON:
         BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr,
         EVEN_K: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
     ):
         """y[pair, n] = a[row] @ down[e].T for one row tile of one expert (N = hidden, K = I)."""
         pid = tl.program_id(0)
@@ -515,7 +517,7 @@ if HAS_TRITON:
                 k_ok = offs_k < K - kk * BLOCK_K
                 a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
                 b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
-            acc = tl.dot(a, b, acc)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
         y_ptrs = y_ptr + pair[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
@@ -553,6 +555,7 @@ if HAS_TRITON:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         EVEN_K: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
         USE_PDL: tl.constexpr,
         K_LINES: tl.constexpr,
         LINE_ELEMS: tl.constexpr,
@@ -610,7 +613,7 @@ if HAS_TRITON:
                 k_ok = (k0 + offs_k) < K
                 a = tl.load(a_ptrs, mask=row0[:, None] & k_ok[None, :] & ok, other=0.0)
                 b = tl.load(b_ptrs, mask=k_ok[:, None] & ok, other=0.0)
-            acc = tl.dot(a, b, acc)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         res = tl.sum(tl.where(row0[:, None], acc, 0.0), axis=0)
         o_ptrs = out_ptr + pid_t.to(tl.int64) * stride_ot + offs_n
         tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=offs_n < N)
@@ -832,6 +835,8 @@ def fused_moe(
     g1, g2 = cfg["gemm1"], cfg["gemm2"]
     pair_mode = cfg["mode"] == "pair"
     dtype, device = hidden_states.dtype, hidden_states.device
+    # float32 runs are correctness runs (checked against transformers to 1e-4): no tf32 there.
+    dot_precision = "ieee" if dtype == torch.float32 else "tf32"
 
     if pair_mode:
         num_blocks = num_pairs
@@ -867,6 +872,7 @@ def fused_moe(
         GROUP_M=g1.get("GROUP_M", 1),
         PAIR_MODE=pair_mode,
         EVEN_K=hidden % g1["BLOCK_K"] == 0,
+        DOT_PRECISION=dot_precision,
         USE_PDL=cfg["pdl"],
         num_warps=g1["num_warps"],
         num_stages=g1["num_stages"],
@@ -892,6 +898,7 @@ def fused_moe(
             BLOCK_N=g2["BLOCK_N"],
             BLOCK_K=g2["BLOCK_K"],
             EVEN_K=inter % g2["BLOCK_K"] == 0,
+            DOT_PRECISION=dot_precision,
             USE_PDL=cfg["pdl"],
             K_LINES=next_power_of_2(triton.cdiv(inter * w2.element_size(), 128)),
             LINE_ELEMS=128 // w2.element_size(),
@@ -923,6 +930,7 @@ def fused_moe(
         BLOCK_K=g2["BLOCK_K"],
         GROUP_M=g2.get("GROUP_M", 1),
         EVEN_K=inter % g2["BLOCK_K"] == 0,
+        DOT_PRECISION=dot_precision,
         num_warps=g2["num_warps"],
         num_stages=g2["num_stages"],
     )

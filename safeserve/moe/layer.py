@@ -30,17 +30,9 @@ class MoELayer(torch.nn.Module):
         self.dispatcher = dispatcher
         self.on_phase: Callable[[str], None] | None = None  # heartbeat hook of the rank
 
-    def _phase(self, phase: str) -> None:
-        if self.on_phase is not None:
-            self.on_phase(phase)
-
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         topk = self.gate(hidden_states)
-        self._phase("dispatch")
-        dispatched = self.dispatcher.dispatch(hidden_states, topk)
-        self._phase("experts")
-        combined = self.experts(dispatched)
-        self._phase("combine")
-        out = self.dispatcher.combine(combined)
-        self._phase("attention")
+        out = self.dispatcher.run(hidden_states, topk, self.experts, self.on_phase)
+        if self.on_phase is not None:
+            self.on_phase("attention")
         return out

@@ -38,10 +38,24 @@ class Router(torch.nn.Module):
         self.renormalize = renormalize
         # Logical -> physical expert id; identity until a load balancer moves experts.
         self.register_buffer("logical_to_physical", torch.arange(num_experts), persistent=False)
+        self.skew_expert: int | None = None  # set only by fault injection (route_skew)
 
     def forward(self, hidden_states: torch.Tensor) -> TopKOutput:
         logits = F.linear(hidden_states, self.weight)
-        weights, logical_ids = softmax_topk(
-            logits, self.top_k, self.renormalize, hidden_states.dtype
-        )
+        if logits.is_cuda:
+            # One Triton kernel, same float32 math; ids come back int32, the rest uses int64.
+            from safeserve.kernels.fused_moe import fused_topk_softmax
+
+            weights, ids32 = fused_topk_softmax(logits, self.top_k, self.renormalize)
+            weights, logical_ids = weights.to(hidden_states.dtype), ids32.to(torch.int64)
+        else:
+            weights, logical_ids = softmax_topk(
+                logits, self.top_k, self.renormalize, hidden_states.dtype
+            )
+        if self.skew_expert is not None:
+            # Fault injection: every token picks the experts starting at one (the worst skew).
+            skewed = (
+                self.skew_expert + torch.arange(self.top_k, device=logits.device)
+            ) % logits.shape[-1]
+            logical_ids = skewed.expand_as(logical_ids)
         return TopKOutput(self.logical_to_physical[logical_ids], weights, logits)

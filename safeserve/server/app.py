@@ -25,8 +25,10 @@ from safeserve.model.tokenizer import Tokenizer, TokenizerError, load_tokenizer
 from safeserve.server import protocol as P
 from safeserve.server.errors import APIError, bad_request, unavailable
 from safeserve.server.generate import Generation, Generator
-from safeserve.server.group_client import GroupClient, GroupState
+from safeserve.server.group_client import GroupClient
 from safeserve.server.metrics import Metrics
+from safeserve.server.router import GroupRouter, NoGroupReady
+from safeserve.server.supervisor import Supervisor, SupervisorState
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +71,11 @@ class _BodyTooLarge(Exception):
 
 
 class ServerState:
+    @property
+    def groups(self) -> list[GroupClient]:
+        """The current incarnation of every group."""
+        return [s.client for s in self.supervisors if s.client is not None]
+
     def __init__(self, args: ServerArgs, on_fatal: Callable[[str], None]) -> None:
         self.args = args
         self.model_config = load_model_config(args.model)
@@ -77,7 +84,9 @@ class ServerState:
         )
         self.metrics = Metrics()
         self.on_fatal = on_fatal
-        self.group: GroupClient | None = None
+        self.supervisors: list[Supervisor] = []
+        self.router: GroupRouter | None = None
+        self.admin_server: Any = None
         self.generator: Generator | None = None
         self.started = time.time()
 
@@ -88,16 +97,26 @@ def build_app(args: ServerArgs, on_fatal: Callable[[str], None] | None = None) -
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        group = GroupClient(args, 0)
-        state.group = group
-        state.generator = Generator(state.tokenizer, group, state.metrics, args.model_name)
-        group.start()
-        watcher = asyncio.create_task(_watch_startup(state))
+        router = GroupRouter([])
+        state.router = router
+        state.supervisors = [
+            Supervisor(args, g, state.metrics, on_change=router.notify)
+            for g in range(args.num_groups)
+        ]
+        router.supervisors = state.supervisors
+        state.generator = Generator(args, state.tokenizer, router, state.metrics, args.model_name)
+        for sup in state.supervisors:
+            sup.start()
+        watcher = asyncio.create_task(_watch_groups(state))
+        admin = await _start_admin(state)
         try:
             yield
         finally:
             watcher.cancel()
-            await group.stop()
+            if admin is not None:
+                state.admin_server.should_exit = True
+                await admin
+            await asyncio.gather(*(sup.stop() for sup in state.supervisors))
 
     app = FastAPI(title="safeserve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.add_middleware(BodySizeLimit, max_bytes=args.max_request_body_bytes)
@@ -110,19 +129,21 @@ def build_app(args: ServerArgs, on_fatal: Callable[[str], None] | None = None) -
 
     @app.get("/health")
     async def health() -> Response:
-        g = state.group
-        if g is None or g.state is GroupState.FAILED:
-            reason = g.fatal if g else "starting"
-            return JSONResponse({"status": "unhealthy", "reason": reason}, status_code=503)
-        return JSONResponse({"status": "ok"})
+        # Liveness: the frontend can make progress unless every group is FAILED for good.
+        if state.supervisors and all(s.crash_loop for s in state.supervisors):
+            reasons = "; ".join(f"group {s.group}: {s.last_reason}" for s in state.supervisors)
+            return JSONResponse({"status": "unhealthy", "reason": reasons}, status_code=503)
+        return JSONResponse({"status": "ok", "groups": _group_states(state)})
 
     @app.get("/ready")
     async def ready() -> Response:
-        g = state.group
-        if g is not None and g.ready:
-            return JSONResponse({"status": "ready", "groups_ready": 1})
-        st = g.state.value if g else "STARTING"
-        return JSONResponse({"status": "not ready", "group_state": st}, status_code=503)
+        n = sum(1 for s in state.supervisors if s.ready)
+        body = {
+            "status": "ready" if n else "not ready",
+            "groups_ready": n,
+            "groups": _group_states(state),
+        }
+        return JSONResponse(body, status_code=200 if n else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -179,16 +200,55 @@ def build_app(args: ServerArgs, on_fatal: Callable[[str], None] | None = None) -
 
 
 # -- helpers ------------------------------------------------------------------------------------
-async def _watch_startup(state: ServerState) -> None:
-    g = state.group
-    assert g is not None
-    try:
-        await g.wait_ready(state.args.startup_timeout_s)
-    except TimeoutError:
-        state.on_fatal(f"group 0 not ready after {state.args.startup_timeout_s:.0f} s")
-        return
-    if g.state is GroupState.FAILED and g.ready_info is None:
-        state.on_fatal(f"group 0 failed to start: {g.fatal}")
+async def _start_admin(state: ServerState) -> asyncio.Task | None:
+    """The admin API on its own port and address (loopback unless --admin-host says otherwise)."""
+    import uvicorn
+
+    from safeserve.server.admin import build_admin_app
+
+    args = state.args
+    config = uvicorn.Config(
+        build_admin_app(state),
+        host=args.admin_host,
+        port=args.admin_port_effective,
+        log_level="warning",
+        access_log=False,
+        lifespan="off",
+    )
+    server = uvicorn.Server(config)
+    state.admin_server = server
+    # `_serve` skips installing signal handlers: the main server owns them.
+    task = asyncio.create_task(server._serve())
+    for _ in range(100):
+        if server.started or task.done():
+            break
+        await asyncio.sleep(0.05)
+    if task.done() or not server.started:
+        state.on_fatal(f"admin API could not bind {args.admin_host}:{args.admin_port_effective}")
+        return None
+    logger.info("admin API on http://%s:%d/admin/", args.admin_host, args.admin_port_effective)
+    return task
+
+
+def _group_states(state: ServerState) -> dict[str, str]:
+    return {str(s.group): s.state.value for s in state.supervisors}
+
+
+async def _watch_groups(state: ServerState) -> None:
+    """Exits the server (non-zero) when it cannot serve at all: no group ever started, or every
+    group is in a crash loop and --exit-on-no-groups is set."""
+    sups = state.supervisors
+    while True:
+        await asyncio.sleep(0.5)
+        if not sups or not all(s.state is SupervisorState.FAILED and s.crash_loop for s in sups):
+            continue
+        reasons = "; ".join(f"group {s.group}: {s.last_reason}" for s in sups)
+        if not any(s.ever_ready for s in sups):
+            state.on_fatal(f"no group could start: {reasons}")
+            return
+        if state.args.exit_on_no_groups:
+            state.on_fatal(f"every group is in a crash loop: {reasons}")
+            return
 
 
 def _check_auth(state: ServerState, request: Request) -> None:
@@ -217,9 +277,9 @@ def _check_model(state: ServerState, name: str) -> None:
 
 
 def _max_model_len(state: ServerState) -> int:
-    g = state.group
-    if g is not None and g.ready_info is not None:
-        return g.ready_info.max_model_len
+    for g in state.groups:
+        if g.ready_info is not None:
+            return g.ready_info.max_model_len
     return state.args.max_model_len or state.model_config.max_position_embeddings
 
 
@@ -250,8 +310,8 @@ def _start(
     max_tokens: int | None,
     default_to_remaining: bool,
 ) -> Generation:
-    g, gen = state.group, state.generator
-    if g is None or gen is None or not g.ready:
+    gen = state.generator
+    if gen is None or state.router is None or not state.router.ready():
         raise unavailable("no group is ready to serve; retry later")
     max_len = _max_model_len(state)
     remaining = max_len - len(prompt_ids)
@@ -279,23 +339,42 @@ def _start(
         stop_token_ids=list(req.stop_token_ids or []),
         ignore_eos=req.ignore_eos,
     )
-    return gen.start(prefix + uuid.uuid4().hex, prompt_ids, params, req.stop_strings())
+    try:
+        return gen.start(prefix + uuid.uuid4().hex, prompt_ids, params, req.stop_strings())
+    except NoGroupReady as e:
+        raise unavailable("no group is ready to serve; retry later") from e
 
 
 def _refresh_gauges(state: ServerState) -> None:
-    g, m = state.group, state.metrics
-    if g is None:
-        return
-    label = str(g.group)
-    m.running.labels(label).set(g.stats.num_running)
-    m.waiting.labels(label).set(g.stats.num_waiting)
-    m.kv_used.labels(label).set(g.stats.kv_blocks_used)
-    m.kv_total.labels(label).set(g.stats.kv_blocks_total)
-    m.preemptions.labels(label).set(g.stats.num_preemptions)
-    m.group_ready.labels(label).set(1 if g.ready else 0)
+    m = state.metrics
     now = time.time()
-    for r in g.ranks.values():
-        m.heartbeat_age.labels(label, str(r.rank)).set(max(0.0, now - r.last_beat))
+    for sup in state.supervisors:
+        g = sup.client
+        label = str(sup.group)
+        m.group_ready.labels(label).set(1 if sup.ready else 0)
+        if g is None:
+            continue
+        m.running.labels(label).set(g.stats.num_running)
+        m.waiting.labels(label).set(g.stats.num_waiting)
+        m.kv_used.labels(label).set(g.stats.kv_blocks_used)
+        m.kv_total.labels(label).set(g.stats.kv_blocks_total)
+        m.preemptions.labels(label).set(g.stats.num_preemptions)
+        for r in g.ranks.values():
+            rank = str(r.rank)
+            m.heartbeat_age.labels(label, rank).set(max(0.0, now - r.received_at))
+            m.rank_utilization.labels(label, rank).set(r.utilization)
+            if "memory_bytes" in r.stats:
+                m.rank_memory.labels(label, rank).set(r.stats["memory_bytes"])
+            for gauge, key in (
+                (m.dispatch_budget, "dispatch_budget_tokens"),
+                (m.dispatch_recv_peak, "dispatch_recv_tokens_peak"),
+                (m.dispatch_rounds, "dispatch_rounds_total"),
+                (m.dispatch_cut, "dispatch_cut_total"),
+                (m.dispatch_buffer_bytes, "dispatch_buffer_bytes"),
+                (m.dispatch_buffer_peak_bytes, "dispatch_buffer_peak_bytes"),
+            ):
+                if key in r.stats:
+                    gauge.labels(label, rank).set(r.stats[key])
     m.in_flight.set(len(state.generator.active) if state.generator else 0)
 
 
@@ -308,7 +387,7 @@ def _sse(
         status = "200"
         try:
             async for chunk in chunks:
-                yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n".encode()
+                yield f"data: {json.dumps(chunk)}\n\n".encode()  # ASCII: no line separator can split an event
             yield b"data: [DONE]\n\n"
         except APIError as e:  # the group failed mid-stream: say so in the stream, then end it
             status = str(e.status)
@@ -321,9 +400,8 @@ def _sse(
             gen.close()
             state.metrics.requests.labels(path, status).inc()
 
-    return StreamingResponse(
-        body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-    )
+    headers = {"Cache-Control": "no-cache", "X-Safeserve-Group": str(gen.supervisor.group)}
+    return StreamingResponse(body(), media_type="text/event-stream", headers=headers)
 
 
 async def _completion_stream(gen: Generation, req: P.CompletionRequest) -> AsyncIterator[dict]:
@@ -385,4 +463,7 @@ async def _collect(
     token_ids = ids if return_ids else None
     build = P.chat_response if chat else P.completion_response
     state.metrics.requests.labels(request.url.path, "200").inc()
-    return JSONResponse(build(gen.rid, gen.model, "".join(text), finish, use, token_ids))
+    return JSONResponse(
+        build(gen.rid, gen.model, "".join(text), finish, use, token_ids),
+        headers={"X-Safeserve-Group": str(gen.supervisor.group)},  # the group that finished it
+    )

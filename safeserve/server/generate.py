@@ -1,19 +1,31 @@
 """One request's life in the frontend: submit to a group, turn its tokens into text deltas, stop
-at stop strings, time it, and cancel it in the group when the client goes away.
+at stop strings, time it, cancel it in its group when the client goes away, and, when its group
+fails, continue it on another group as a continuation (prompt + every token already produced,
+the remaining `max_tokens`, the same sampling and seed), so the client's stream goes on with no
+token lost or repeated.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from safeserve.messages import SamplingParams
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
+
+from safeserve.config import ServerArgs
+from safeserve.messages import RequestOutput, SamplingParams
 from safeserve.model.tokenizer import Tokenizer
 from safeserve.server.detokenizer import IncrementalDetokenizer
 from safeserve.server.errors import APIError, unavailable
-from safeserve.server.group_client import GroupClient
 from safeserve.server.metrics import Metrics
+from safeserve.server.router import GroupRouter, NoGroupReady
+from safeserve.server.supervisor import Supervisor
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -21,6 +33,10 @@ class Delta:
     text: str
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+
+
+class _Refailed(Exception):
+    """The continuation's group failed too before it produced anything."""
 
 
 class Generation:
@@ -39,39 +55,116 @@ class Generation:
         self.params = params
         self.detok = IncrementalDetokenizer(gen.tokenizer, stop)
         self.num_prompt_tokens = len(prompt_ids)
+        self.produced: list[int] = []  # every token received, in order (a continuation's prefix)
+        self.base_outputs = 0  # outputs counted by earlier incarnations (stop tokens included)
         self.num_output_tokens = 0
+        self.attempts = 1
         self.finished = False
         self.arrival = time.monotonic()
         self.first_token_at: float | None = None
-        self.queue = gen.group.submit(rid, prompt_ids, params)
+        self.supervisor: Supervisor = gen.router.pick()  # NoGroupReady -> 503 at the edge
+        self.queue = self.supervisor.client.submit(rid, prompt_ids, params)  # type: ignore[union-attr]
+        self._pending: RequestOutput | None = None
         gen.metrics.prompt_tokens.inc(len(prompt_ids))
+
+    async def _next(self) -> RequestOutput:
+        if self._pending is not None:
+            out, self._pending = self._pending, None
+            return out
+        return await self.queue.get()
 
     async def deltas(self) -> AsyncIterator[Delta]:
         m = self.owner.metrics
-        while not self.finished:
-            out = await self.queue.get()
-            if out.finish_reason in ("group_failed", "error"):
-                self.finished = True
+        try:
+            while not self.finished:
+                out = await self._next()
                 if out.finish_reason == "group_failed":
-                    raise unavailable(
-                        "the group serving this request failed; retry", retry_after=1.0
-                    )
-                raise APIError(500, "the engine refused this request", "engine_error")
-            now = time.monotonic()
-            if out.new_token_ids and self.first_token_at is None:
-                self.first_token_at = now
-                m.ttft.observe(now - self.arrival)
-            m.generation_tokens.inc(max(0, out.num_output_tokens - self.num_output_tokens))
-            self.num_output_tokens = max(self.num_output_tokens, out.num_output_tokens)
-            finish = out.finish_reason
-            text = self.detok.add(out.new_token_ids, finished=finish is not None)
-            if self.detok.stopped and finish is None:
-                finish = "stop"
-                self.owner.group.abort(self.rid)  # the engine stops working on it now
-            if finish is not None:
-                self.finished = True
-                self._observe_end(now)
-            yield Delta(text, list(out.new_token_ids), finish)
+                    await self._migrate()
+                    continue
+                if out.finish_reason == "error":
+                    self.finished = True
+                    raise APIError(500, "the engine refused this request", "engine_error")
+                now = time.monotonic()
+                if out.new_token_ids and self.first_token_at is None:
+                    self.first_token_at = now
+                    m.ttft.observe(now - self.arrival)
+                total = self.base_outputs + out.num_output_tokens
+                m.generation_tokens.inc(max(0, total - self.num_output_tokens))
+                self.num_output_tokens = max(self.num_output_tokens, total)
+                self.produced.extend(out.new_token_ids)
+                finish = out.finish_reason
+                text = self.detok.add(out.new_token_ids, finished=finish is not None)
+                if self.detok.stopped and finish is None:
+                    finish = "stop"
+                    self._client_abort()  # the engine stops working on it now
+                if finish is not None:
+                    self.finished = True
+                    self._observe_end(now)
+                yield Delta(text, list(out.new_token_ids), finish)
+        except (APIError, asyncio.CancelledError, GeneratorExit):
+            raise
+        except Exception as e:  # a bug, not a fault: count it, answer cleanly
+            logger.exception("request %s lost", self.rid)
+            self.owner.metrics.lost.inc()
+            self.finished = True
+            raise APIError(500, f"internal error: {type(e).__name__}", "internal_error") from e
+
+    async def _migrate(self) -> None:
+        """Continues the request on another READY group, within its attempts and the budget."""
+        gen, args = self.owner, self.owner.args
+        failed_group = self.supervisor.group
+        left = args.max_request_attempts - self.attempts
+        remaining = self.params.max_tokens - len(self.produced)
+        if remaining <= 0:  # everything was produced; only the finish was lost with the group
+            self._pending = RequestOutput(self.rid, [], "length", self.num_prompt_tokens, 0)
+            return
+        if left <= 0:
+            self._give_up(f"its group failed and it already used {self.attempts} attempts")
+        params = dataclasses.replace(
+            self.params,
+            max_tokens=remaining,
+            output_offset=self.params.output_offset + len(self.produced),
+        )
+        prompt = self.prompt_ids + self.produced
+        try:
+            async for attempt in AsyncRetrying(
+                stop=stop_after_attempt(left),
+                wait=wait_exponential(multiplier=0.2, max=2.0),
+                retry=retry_if_exception_type((NoGroupReady, _Refailed)),
+                reraise=True,
+            ):
+                with attempt:
+                    self.attempts += 1
+                    gen.metrics.retries.inc()
+                    async with gen.router.retry_slot(args.migration_wait_s):
+                        sup = await gen.router.wait_pick(
+                            args.migration_wait_s, exclude=failed_group
+                        )
+                        self.supervisor = sup
+                        self.queue = sup.client.submit(self.rid, prompt, params)  # type: ignore[union-attr]
+                        gen.metrics.migrations.inc()
+                        logger.info(
+                            "request %s: group %d failed after %d tokens; continuing on group %d",
+                            self.rid,
+                            failed_group,
+                            len(self.produced),
+                            sup.group,
+                        )
+                        first = await self.queue.get()  # the slot is held until it moves again
+                        if first.finish_reason == "group_failed":
+                            failed_group = sup.group
+                            raise _Refailed
+                        self._pending = first
+        except (NoGroupReady, _Refailed, TimeoutError):
+            self._give_up("no group could take it over within its attempts")
+        self.base_outputs = self.num_output_tokens
+
+    def _give_up(self, why: str) -> None:
+        self.finished = True
+        self.owner.metrics.failed_after_retries.inc()
+        raise unavailable(
+            f"the group serving this request failed and {why}; retry", retry_after=1.0
+        )
 
     def _observe_end(self, now: float) -> None:
         m = self.owner.metrics
@@ -79,22 +172,36 @@ class Generation:
         if self.first_token_at is not None and self.num_output_tokens > 1:
             m.tpot.observe((now - self.first_token_at) / (self.num_output_tokens - 1))
 
+    def _client_abort(self) -> None:
+        client = self.supervisor.client
+        if client is not None:
+            client.abort(self.rid)
+
     def close(self) -> None:
-        """Called when the HTTP response ends: an unfinished request is cancelled in the group."""
+        """Called when the HTTP response ends: an unfinished request is cancelled in its group."""
+        client = self.supervisor.client
         if not self.finished:
             self.finished = True
-            self.owner.group.abort(self.rid)
-        else:
-            self.owner.group.release(self.rid)
+            if client is not None:
+                client.abort(self.rid)
+        elif client is not None:
+            client.release(self.rid)
         self.owner.active.pop(self.rid, None)
+        self.owner.router.active = len(self.owner.active)
 
 
 class Generator:
     def __init__(
-        self, tokenizer: Tokenizer, group: GroupClient, metrics: Metrics, model_name: str
+        self,
+        args: ServerArgs,
+        tokenizer: Tokenizer,
+        router: GroupRouter,
+        metrics: Metrics,
+        model_name: str,
     ) -> None:
+        self.args = args
         self.tokenizer = tokenizer
-        self.group = group
+        self.router = router
         self.metrics = metrics
         self.model_name = model_name
         self.active: dict[str, Generation] = {}
@@ -104,4 +211,5 @@ class Generator:
     ) -> Generation:
         gen = Generation(self, rid, prompt_ids, params, stop)
         self.active[rid] = gen
+        self.router.active = len(self.active)
         return gen

@@ -16,6 +16,7 @@ import pickle
 import socket
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import zmq
@@ -23,6 +24,7 @@ import zmq.asyncio
 
 from safeserve.config import ServerArgs
 from safeserve.engine.rank_worker import GroupAddresses, run_rank
+from safeserve.guards.watchdog import Verdict, Watchdog
 from safeserve.messages import (
     AbortRequest,
     EngineStats,
@@ -30,11 +32,13 @@ from safeserve.messages import (
     GroupFatal,
     GroupReady,
     Heartbeat,
+    InjectFault,
     RequestOutput,
     SamplingParams,
     Shutdown,
     StepOutputs,
 )
+from safeserve.server.metrics import Metrics
 
 logger = logging.getLogger(__name__)
 
@@ -58,13 +62,29 @@ class RankStatus:
     pid: int | None = None
     step: int = 0
     phase: str = "starting"
-    last_beat: float = field(default_factory=time.time)
+    phase_since: float = field(default_factory=time.time)
+    received_at: float = field(default_factory=time.time)  # frontend clock
+    stats: dict = field(default_factory=dict)
+    utilization: float = 0.0
 
 
 class GroupClient:
-    def __init__(self, args: ServerArgs, group: int = 0) -> None:
+    def __init__(
+        self,
+        args: ServerArgs,
+        group: int = 0,
+        metrics: Metrics | None = None,
+        watchdog: Watchdog | None = None,
+        on_failed: Callable[[str], None] | None = None,
+    ) -> None:
         self.args = args
         self.group = group
+        self.metrics = metrics
+        self.on_failed = on_failed
+        self.watchdog = watchdog or Watchdog(
+            args.watchdog_stall_timeout, args.watchdog_slow_factor, args.watchdog_slow_window_s
+        )
+        self.verdicts: list[Verdict] = []  # every verdict so far (admin API shows the last ones)
         self.state = GroupState.STARTING
         self.ready_info: GroupReady | None = None
         self.fatal: str | None = None
@@ -91,9 +111,18 @@ class GroupClient:
         ctx = mp.get_context("spawn")
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         for rank in range(self.args.tp_size):
+            fail = self.args.fault_fail_start_group == self.group
             p = ctx.Process(
                 target=run_rank,
-                args=(self.args, self.group, rank, self.addrs, init_method),
+                args=(
+                    self.args,
+                    self.group,
+                    rank,
+                    self.addrs,
+                    init_method,
+                    self.args.device_index(self.group, rank),
+                    fail,
+                ),
                 name=f"safeserve-g{self.group}-r{rank}",
                 daemon=True,
             )
@@ -104,7 +133,7 @@ class GroupClient:
         self._tasks = [
             asyncio.create_task(self._read_outputs()),
             asyncio.create_task(self._read_heartbeats()),
-            asyncio.create_task(self._watch_process()),
+            asyncio.create_task(self._watch()),
         ]
 
     async def wait_ready(self, timeout: float) -> None:
@@ -145,6 +174,9 @@ class GroupClient:
             with contextlib.suppress(zmq.ZMQError):
                 self._req.send(pickle.dumps(AbortRequest(rid)), flags=zmq.NOBLOCK)
 
+    def inject_fault(self, fault: InjectFault) -> None:
+        self._req.send(pickle.dumps(fault), flags=zmq.NOBLOCK)
+
     def release(self, rid: str) -> None:
         """The request finished normally: forget its queue."""
         self.queues.pop(rid, None)
@@ -172,13 +204,28 @@ class GroupClient:
                     msg.num_kv_blocks,
                 )
             elif isinstance(msg, GroupFatal):
+                if self.state is GroupState.READY:
+                    # A peer's collective usually fails first when a rank dies: name the dead one.
+                    alive = {r: p.is_alive() for r, p in enumerate(self.processes)}
+                    codes = {r: p.exitcode for r, p in enumerate(self.processes)}
+                    for verdict in self.watchdog.check(self.group, self.ranks, alive, False, codes):
+                        if verdict.kind == "dead":
+                            self._record(verdict)
+                            self._fail(f"watchdog: dead: {verdict.reason}")
+                            break
                 self._fail(f"rank {msg.rank}: {msg.message}")
 
     async def _read_heartbeats(self) -> None:
         while True:
             hb: Heartbeat = pickle.loads(await self._hb.recv())
             st = self.ranks.setdefault(hb.rank, RankStatus(hb.rank))
-            st.pid, st.step, st.phase, st.last_beat = hb.pid, hb.step, hb.phase, hb.time
+            st.pid, st.step, st.phase, st.phase_since = hb.pid, hb.step, hb.phase, hb.phase_since
+            st.stats = hb.stats
+            st.received_at = time.time()
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.queues) or self.stats.num_running + self.stats.num_waiting > 0
 
     def kill_all(self) -> None:
         """Kills every process of the group (a collective with a dead peer is never waited out)."""
@@ -188,18 +235,39 @@ class GroupClient:
         for p in self.processes:
             p.join(2.0)
 
-    async def _watch_process(self) -> None:
-        while True:
-            await asyncio.sleep(0.2)
-            dead = [(r, p) for r, p in enumerate(self.processes) if not p.is_alive()]
-            if dead and self.state in (GroupState.STARTING, GroupState.READY):
-                # Give a GroupFatal sent just before the exit a moment to arrive first.
-                await asyncio.sleep(0.2)
-                if self.state in (GroupState.STARTING, GroupState.READY):
-                    r, p = dead[0]
-                    self._fail(f"rank {r} (pid {p.pid}) exited with code {p.exitcode}")
-            if dead:
+    async def _watch(self) -> None:
+        """The watchdog's loop for this group: dead processes at any time; stalls and slow ranks
+        once READY (loading and warm-up never count as a stall)."""
+        period = min(0.25, self.args.heartbeat_interval_s)
+        while self.state in (GroupState.STARTING, GroupState.READY):
+            await asyncio.sleep(period)
+            if self.state not in (GroupState.STARTING, GroupState.READY):
                 return
+            alive = {r: p.is_alive() for r, p in enumerate(self.processes)}
+            if self.state is GroupState.STARTING:
+                dead = [r for r, ok in alive.items() if not ok]
+                if dead:
+                    await asyncio.sleep(0.2)  # let a GroupFatal sent before the exit arrive
+                    if self.state is GroupState.STARTING:
+                        p = self.processes[dead[0]]
+                        self._fail(f"rank {dead[0]} (pid {p.pid}) exited with code {p.exitcode}")
+                continue
+            codes = {r: p.exitcode for r, p in enumerate(self.processes)}
+            for verdict in self.watchdog.check(self.group, self.ranks, alive, self.has_work, codes):
+                self._record(verdict)
+                if verdict.fences:
+                    self._fail(f"watchdog: {verdict.kind}: {verdict.reason}")
+                    break
+            for r, st in self.ranks.items():
+                st.utilization = self.watchdog.track(self.group, r).utilization
+
+    def _record(self, verdict: Verdict) -> None:
+        self.verdicts.append(verdict)
+        del self.verdicts[:-50]
+        log = logger.error if verdict.fences else logger.warning
+        log("group %d watchdog verdict %s: %s", self.group, verdict.kind, verdict.reason)
+        if self.metrics is not None:
+            self.metrics.watchdog_verdicts.labels(str(self.group), verdict.kind).inc()
 
     def _fail(self, reason: str) -> None:
         if self.state is GroupState.FAILED:
@@ -212,3 +280,5 @@ class GroupClient:
         for rid, q in list(self.queues.items()):
             q.put_nowait(RequestOutput(rid, [], "group_failed"))
         self.queues.clear()
+        if self.on_failed is not None:
+            self.on_failed(reason)

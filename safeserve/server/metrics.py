@@ -85,6 +85,91 @@ class Metrics:
             ["group", "rank"],
             registry=r,
         )
+        self.rank_utilization = Gauge(
+            PREFIX + "rank_utilization",
+            "GPU utilization of a rank's device, or its process's share of one CPU core (0..1).",
+            ["group", "rank"],
+            registry=r,
+        )
+        self.rank_memory = Gauge(
+            PREFIX + "rank_memory_bytes",
+            "Device memory allocated by a rank (GPU) or its resident memory (CPU).",
+            ["group", "rank"],
+            registry=r,
+        )
+        self.watchdog_verdicts = Counter(
+            PREFIX + "watchdog_verdicts",
+            "Watchdog verdicts: dead and stalled fence the group; slow is reported only.",
+            ["group", "verdict"],
+            registry=r,
+        )
+        self.dispatch_budget = Gauge(
+            PREFIX + "dispatch_budget_tokens",
+            "Rows a rank may receive in one dispatch round (admission budget).",
+            ["group", "rank"],
+            registry=r,
+        )
+        self.dispatch_recv_peak = Gauge(
+            PREFIX + "dispatch_recv_tokens_peak",
+            "Most rows a rank received in one dispatch round since start.",
+            ["group", "rank"],
+            registry=r,
+        )
+        self.dispatch_rounds = Gauge(
+            PREFIX + "dispatch_rounds_total",
+            "Dispatch rounds run by a rank since start (one per MoE layer and step, more when "
+            "admission cuts a dispatch).",
+            ["group", "rank"],
+            registry=r,
+        )
+        self.dispatch_cut = Gauge(
+            PREFIX + "dispatch_cut_total",
+            "Dispatches admission cut into more than one round, per rank, since start.",
+            ["group", "rank"],
+            registry=r,
+        )
+        self.dispatch_buffer_bytes = Gauge(
+            PREFIX + "dispatch_buffer_bytes",
+            "Preallocated dispatch buffer bytes of a rank.",
+            ["group", "rank"],
+            registry=r,
+        )
+        self.dispatch_buffer_peak_bytes = Gauge(
+            PREFIX + "dispatch_buffer_peak_bytes",
+            "Most dispatch buffer bytes a rank ever used.",
+            ["group", "rank"],
+            registry=r,
+        )
+        self.group_state = Gauge(
+            PREFIX + "group_state", "1 for a group's current state.", ["group", "state"], registry=r
+        )
+        self.group_failures = Counter(
+            PREFIX + "group_failures",
+            "Group failures (fenced: all its processes killed).",
+            ["group"],
+            registry=r,
+        )
+        self.group_restarts = Counter(
+            PREFIX + "group_restarts", "Group restarts.", ["group"], registry=r
+        )
+        self.migrations = Counter(
+            PREFIX + "request_migrations",
+            "Requests continued on another group after theirs failed (prompt + tokens already sent).",
+            registry=r,
+        )
+        self.retries = Counter(
+            PREFIX + "request_retries", "Attempts beyond a request's first.", registry=r
+        )
+        self.lost = Counter(
+            PREFIX + "requests_lost",
+            "Requests that ended without a complete answer or a clean error (must stay 0).",
+            registry=r,
+        )
+        self.failed_after_retries = Counter(
+            PREFIX + "requests_failed_after_retries",
+            "Requests answered 503 after their attempts or the retry budget ran out.",
+            registry=r,
+        )
         self.in_flight = Gauge(
             PREFIX + "requests_in_flight",
             "Requests the frontend holds (queued or generating).",

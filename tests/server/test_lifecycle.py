@@ -41,7 +41,9 @@ def test_broken_checkpoint_exits_non_zero_with_reason(tmp_path: Path) -> None:
 
 
 def test_dead_leader_makes_ready_and_requests_fail_fast(server_factory) -> None:
-    s = server_factory(["--max-model-len", "4096"])
+    s = server_factory(
+        ["--max-model-len", "4096", "--max-request-attempts", "1", "--crash-loop-failures", "1"]
+    )
     leaders = [
         p
         for p in psutil.Process(s.proc.pid).children(recursive=True)

@@ -3,14 +3,19 @@
 With tensor-parallel attention the tokens are already on every rank; with attention
 data-parallel they are all-gathered first and each rank keeps its own rows of the sum. Works for
 any layout, including `ep_size < tp_size` (each rank then holds a slice of every expert's FFN).
+Every rank receives every token, so rounds cut the group's tokens (in rank order) into pieces of
+at most the budget.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from safeserve.engine.parallel import Comm
-from safeserve.moe.dispatch.base import CombineInput, Dispatcher, DispatchOutput
+from safeserve.guards.admission import plan_token_rounds
+from safeserve.moe.dispatch.base import CombineInput, Dispatcher, DispatchOutput, recv_views
 from safeserve.moe.placement import ExpertPlacement
 from safeserve.moe.topk import TopKOutput
 
@@ -22,27 +27,61 @@ def to_local_ids(topk_ids: torch.Tensor, placement: ExpertPlacement) -> torch.Te
     return torch.where(held, local, torch.full_like(local, -1))
 
 
+@dataclass
+class _State:
+    hidden: torch.Tensor
+    topk: TopKOutput
+    sources: list[int]  # tokens per source (one source when replicated)
+    rounds: list[list[tuple[int, int]]]
+    out: torch.Tensor
+
+
 class AllGatherDispatcher(Dispatcher):
     def __init__(self, placement: ExpertPlacement, comm: Comm) -> None:
         self.placement = placement
         self.comm = comm
 
-    def dispatch(self, hidden_states: torch.Tensor, topk: TopKOutput) -> DispatchOutput:
+    def prepare(self, hidden_states: torch.Tensor, topk: TopKOutput) -> _State:
         step = self.step
         assert step is not None, "begin_step() first"
-        ids, weights = topk.topk_ids, topk.topk_weights
-        if not step.replicated:
-            hidden_states = self.comm.all_gather_rows(hidden_states, step.per_rank)
-            ids = self.comm.all_gather_rows(ids, step.per_rank)
-            weights = self.comm.all_gather_rows(weights, step.per_rank)
-        return DispatchOutput(hidden_states, to_local_ids(ids, self.placement), weights)
+        sources = [hidden_states.shape[0]] if step.replicated else list(step.per_rank)
+        budget = self.budget or max(1, sum(sources))
+        self.last_count_matrix = torch.tensor([[n] * self.comm.world for n in sources])
+        rounds = plan_token_rounds(sources, budget)
+        self._note_share(sum(sources), sum(sources))  # every rank receives every token
+        return _State(
+            hidden_states, topk, sources, rounds, hidden_states.new_empty(hidden_states.shape)
+        )
 
-    def combine(self, combine_input: CombineInput) -> torch.Tensor:
-        step = self.step
-        assert step is not None
-        out = self.comm.all_reduce(combine_input.hidden_states)
-        if step.replicated:
-            return out
-        rank = self.comm.layout.rank
-        start = sum(step.per_rank[:rank])
-        return out[start : start + step.per_rank[rank]]
+    def num_rounds(self, state: _State) -> int:
+        return len(state.rounds)
+
+    def _mine(self, state: _State, round_index: int) -> tuple[int, int]:
+        me = 0 if len(state.sources) == 1 else self.comm.layout.rank
+        return state.rounds[round_index][me]
+
+    def dispatch(self, state: _State, round_index: int) -> DispatchOutput:
+        lo, hi = self._mine(state, round_index)
+        x, ids, w = state.hidden[lo:hi], state.topk.topk_ids[lo:hi], state.topk.topk_weights[lo:hi]
+        if len(state.sources) > 1:
+            sizes = [b - a for a, b in state.rounds[round_index]]
+            x = self.comm.all_gather_rows(x, sizes)
+            ids = self.comm.all_gather_rows(ids, sizes)
+            w = self.comm.all_gather_rows(w, sizes)
+        buf_x, _ = recv_views(self.buffers, x.shape[0])
+        if buf_x is not None:
+            buf_x.copy_(x)
+            x = buf_x
+        return DispatchOutput(x, to_local_ids(ids, self.placement), w, round_index)
+
+    def combine(self, state: _State, round_index: int, combine_input: CombineInput) -> None:
+        y = self.comm.all_reduce(combine_input.hidden_states)
+        lo, hi = self._mine(state, round_index)
+        if len(state.sources) > 1:
+            me = self.comm.layout.rank
+            start = sum(b - a for a, b in state.rounds[round_index][:me])
+            y = y[start : start + hi - lo]
+        state.out[lo:hi] = y
+
+    def finish(self, state: _State) -> torch.Tensor:
+        return state.out

@@ -1,10 +1,11 @@
 """Backend `alltoall`: each token travels once to every rank holding one of its experts.
 
 Before tokens move, ranks all-gather their per-destination counts into the count matrix
-(source rank x destination rank); `all_to_all_single` with those splits sends tokens there, and
-again with the splits swapped brings each rank's expert sums back, where they are added up per
-token. With tensor-parallel attention (tokens on every rank) each rank dispatches its own share
-of the tokens and the results are all-gathered afterwards. Needs `ep_size == tp_size`.
+(source rank x destination rank); `all_to_all_single` with those splits sends the rows there
+(in rounds that fit every destination's budget), and again with the splits swapped brings each
+rank's expert sums back, where they are added up per token. With tensor-parallel attention
+(tokens on every rank) each rank dispatches its own share of the tokens and the results are
+all-gathered afterwards. Needs `ep_size == tp_size`.
 """
 
 from __future__ import annotations
@@ -14,18 +15,25 @@ from dataclasses import dataclass
 import torch
 
 from safeserve.engine.parallel import Comm
-from safeserve.moe.dispatch.base import CombineInput, Dispatcher, DispatchOutput
+from safeserve.guards.admission import plan_rounds
+from safeserve.moe.dispatch.base import CombineInput, Dispatcher, DispatchOutput, recv_views
 from safeserve.moe.placement import ExpertPlacement
 from safeserve.moe.topk import TopKOutput
 
 
 @dataclass
-class _Handle:
-    send_rows: torch.Tensor  # which local token each sent row is
-    dest_rank: torch.Tensor  # where each sent row went
-    send_splits: list[int]
-    recv_splits: list[int]
-    num_local: int  # tokens this rank dispatched
+class _State:
+    send_rows: torch.Tensor  # which local token each sent row is, grouped by destination
+    dest_rank: torch.Tensor  # where each sent row goes
+    send_x: torch.Tensor  # [S, H] the rows, in that order
+    send_meta: torch.Tensor  # [S, 2k] float32: weights, then destination-local expert ids
+    counts: list[list[int]]  # the count matrix
+    seg_start: list[int]  # first sent row of each destination
+    rounds: list[list[list[tuple[int, int]]]]
+    back: torch.Tensor  # [S + 1, H] results per sent row; the last row stays zero
+    num_local: int
+    top_k: int
+    dtype: torch.dtype
     shares: list[int] | None  # per-rank shares when tokens were replicated
 
 
@@ -41,7 +49,7 @@ class AllToAllDispatcher(Dispatcher):
         base, extra = divmod(num_tokens, world)
         return [base + (1 if r < extra else 0) for r in range(world)]
 
-    def dispatch(self, hidden_states: torch.Tensor, topk: TopKOutput) -> DispatchOutput:
+    def prepare(self, hidden_states: torch.Tensor, topk: TopKOutput) -> _State:
         step = self.step
         assert step is not None, "begin_step() first"
         rank, world = self.comm.layout.rank, self.comm.world
@@ -59,40 +67,92 @@ class AllToAllDispatcher(Dispatcher):
         hit.scatter_(1, dest, True)
         matrix = self.comm.all_gather_counts(hit.sum(dim=0))
         # (destination, token) pairs grouped by destination, found without a second host sync.
-        flat = hit.t().reshape(-1)
-        order = torch.argsort((~flat).to(torch.uint8), stable=True)
-        counts = matrix.tolist()  # the one host sync: NCCL needs the splits on the host
+        order = torch.argsort((~hit.t().reshape(-1)).to(torch.uint8), stable=True)
+        counts = self.comm.to_host(matrix)  # the one host sync: the splits and rounds need it
         self.last_count_matrix = matrix
-        send_splits = counts[rank]
-        recv_splits = [row[rank] for row in counts]
-        chosen = order[: sum(send_splits)]
+        step_tokens = sum(step.per_rank) if not step.replicated else step.per_rank[0]
+        self._note_share(max(sum(c[d] for c in counts) for d in range(world)), step_tokens)
+        chosen = order[: sum(counts[rank])]
         dest_rank, send_rows = chosen // num_local, chosen % num_local
-        sent_ids = ids[send_rows]
         mine = dest[send_rows] == dest_rank[:, None]
-        local_ids = torch.where(mine, sent_ids - dest_rank[:, None] * per_rank, -1)
-        # Routing travels in one small all-to-all: weights and local ids as float32 columns
-        # (ids are exact in float32 up to 2**24).
-        top_k = ids.shape[1]
+        local_ids = torch.where(mine, ids[send_rows] - dest_rank[:, None] * per_rank, -1)
+        # Routing travels as float32 columns (ids are exact in float32 up to 2**24).
         meta = torch.cat([weights[send_rows].to(torch.float32), local_ids.to(torch.float32)], dim=1)
-        recv_x = self.comm.all_to_all(hidden_states[send_rows], send_splits, recv_splits)
-        recv_meta = self.comm.all_to_all(meta, send_splits, recv_splits)
-        recv_w = recv_meta[:, :top_k].to(weights.dtype)
-        recv_ids = recv_meta[:, top_k:].to(torch.int64)
-        handle = _Handle(send_rows, dest_rank, send_splits, recv_splits, num_local, shares)
-        return DispatchOutput(recv_x, recv_ids, recv_w, handle)
-
-    def combine(self, combine_input: CombineInput) -> torch.Tensor:
-        h: _Handle = combine_input.handle
-        world = self.comm.world
-        # One spare zero row: tokens that did not go to some rank read it.
-        back = self.comm.all_to_all(
-            combine_input.hidden_states, h.recv_splits, h.send_splits, spare_rows=1
+        budget = self.budget or max(
+            1, max((sum(c[d] for c in counts) for d in range(world)), default=1)
         )
-        total = back.shape[0] - 1
-        slot = torch.full((h.num_local, world), total, dtype=torch.int64, device=back.device)
-        slot[h.send_rows, h.dest_rank] = torch.arange(total, device=back.device)
+        seg_start = [sum(counts[rank][:d]) for d in range(world)]
+        total = len(send_rows)
+        back = hidden_states.new_empty((total + 1, hidden_states.shape[1]))
+        back[total].zero_()
+        return _State(
+            send_rows,
+            dest_rank,
+            hidden_states[send_rows],
+            meta,
+            counts,
+            seg_start,
+            plan_rounds(counts, budget),
+            back,
+            num_local,
+            ids.shape[1],
+            weights.dtype,
+            shares,
+        )
+
+    def num_rounds(self, state: _State) -> int:
+        return len(state.rounds)
+
+    def _round_rows(
+        self, state: _State, round_index: int
+    ) -> tuple[torch.Tensor | None, list[int], list[int]]:
+        """This rank's sent rows in a round (None: all of them), send and receive splits."""
+        me = self.comm.layout.rank
+        plan = state.rounds[round_index]
+        send_splits = [hi - lo for lo, hi in plan[me]]
+        recv_splits = [plan[s][me][1] - plan[s][me][0] for s in range(len(plan))]
+        if len(state.rounds) == 1:
+            return None, send_splits, recv_splits
+        pieces = [
+            torch.arange(
+                state.seg_start[d] + lo, state.seg_start[d] + hi, device=state.send_x.device
+            )
+            for d, (lo, hi) in enumerate(plan[me])
+        ]
+        return torch.cat(pieces), send_splits, recv_splits
+
+    def dispatch(self, state: _State, round_index: int) -> DispatchOutput:
+        idx, send_splits, recv_splits = self._round_rows(state, round_index)
+        x = state.send_x if idx is None else state.send_x[idx]
+        meta = state.send_meta if idx is None else state.send_meta[idx]
+        buf_x, buf_meta = recv_views(self.buffers, sum(recv_splits))
+        recv_x = self.comm.all_to_all(x, send_splits, recv_splits, out=buf_x)
+        recv_meta = self.comm.all_to_all(meta, send_splits, recv_splits, out=buf_meta)
+        k = state.top_k
+        return DispatchOutput(
+            recv_x, recv_meta[:, k:].to(torch.int64), recv_meta[:, :k].to(state.dtype), round_index
+        )
+
+    def combine(self, state: _State, round_index: int, combine_input: CombineInput) -> None:
+        idx, send_splits, recv_splits = self._round_rows(state, round_index)
+        if idx is None:
+            self.comm.all_to_all(
+                combine_input.hidden_states, recv_splits, send_splits, out=state.back[:-1]
+            )
+            return
+        state.back[idx] = self.comm.all_to_all(
+            combine_input.hidden_states, recv_splits, send_splits
+        )
+
+    def finish(self, state: _State) -> torch.Tensor:
+        world = self.comm.world
+        total = state.back.shape[0] - 1
+        slot = torch.full(
+            (state.num_local, world), total, dtype=torch.int64, device=state.back.device
+        )
+        slot[state.send_rows, state.dest_rank] = torch.arange(total, device=state.back.device)
         # A gather and a sum in float32, in rank order: no atomics, the same result every run.
-        out = back[slot].sum(dim=1, dtype=torch.float32).to(back.dtype)
-        if h.shares is not None:
-            out = self.comm.all_gather_rows(out, h.shares)
+        out = state.back[slot].sum(dim=1, dtype=torch.float32).to(state.back.dtype)
+        if state.shares is not None:
+            out = self.comm.all_gather_rows(out, state.shares)
         return out

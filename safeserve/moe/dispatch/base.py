@@ -1,28 +1,37 @@
-"""The dispatcher interface and the small types that pass between the MoE stages."""
+"""The dispatcher interface and the small types that pass between the MoE stages.
+
+A dispatch runs in one or more rounds (admission: no rank receives more rows in a round than
+its budget). `run` drives them: `prepare` (share counts, plan rounds), then per round
+`dispatch` -> experts -> `combine`, then `finish` (per-token sums).
+"""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from safeserve.guards.admission import DispatchBuffers
 from safeserve.moe.topk import TopKOutput
 
 
 @dataclass
 class DispatchOutput:
-    """Tokens this rank must run its local experts on.
+    """Rows this rank must run its local experts on (one round).
 
     `topk_ids` holds local expert indices (0 .. experts_per_rank-1), or -1 for a choice whose
-    expert lives on another rank; the runner skips those.
+    expert lives on another rank; the runner skips those. With admission on, `hidden_states`
+    is a view of the preallocated receive buffer and `workspace` holds the rest of them.
     """
 
     hidden_states: torch.Tensor  # [N, H]
     topk_ids: torch.Tensor  # [N, k]
     topk_weights: torch.Tensor  # [N, k]
-    handle: Any = None  # whatever the backend needs to combine
+    handle: Any = None
+    workspace: DispatchBuffers | None = None
 
 
 @dataclass
@@ -45,20 +54,81 @@ class StepTokens:
     replicated: bool
 
 
+Experts = Callable[[DispatchOutput], CombineInput]
+
+
 class Dispatcher(ABC):
-    """Moves tokens to their experts' ranks (`dispatch`) and the results back (`combine`)."""
+    """Moves tokens to their experts' ranks and the results back, in rounds that fit."""
 
     step: StepTokens | None = None
-    # Tokens each source rank sends each destination rank in the last dispatch: the numbers the
-    # admission guard reads before any token moves.
+    buffers: DispatchBuffers | None = None  # None: admission off (one round, no budget)
+    # Rows each source rank sends each destination rank in the last dispatch: the numbers the
+    # admission guard plans rounds from, known before any token moves.
     last_count_matrix: torch.Tensor | None = None
+
+    # The largest share of a step's tokens one rank received in any layer of the step.
+    step_peak_share: float | None = None
 
     def begin_step(self, step: StepTokens) -> None:
         self.step = step
+        self.step_peak_share = None
+
+    def _note_share(self, received_by_busiest: int, step_tokens: int) -> None:
+        if step_tokens > 0:
+            share = received_by_busiest / step_tokens
+            self.step_peak_share = max(self.step_peak_share or 0.0, share)
+
+    @property
+    def budget(self) -> int | None:
+        return self.buffers.max_recv_tokens if self.buffers is not None else None
 
     @abstractmethod
-    def dispatch(self, hidden_states: torch.Tensor, topk: TopKOutput) -> DispatchOutput: ...
+    def prepare(self, hidden_states: torch.Tensor, topk: TopKOutput) -> Any:
+        """Shares counts and plans the rounds; returns the state the other calls take."""
 
     @abstractmethod
-    def combine(self, combine_input: CombineInput) -> torch.Tensor:
-        """Returns [T, H] for the T tokens that entered `dispatch`, summed over all experts."""
+    def num_rounds(self, state: Any) -> int: ...
+
+    @abstractmethod
+    def dispatch(self, state: Any, round_index: int) -> DispatchOutput: ...
+
+    @abstractmethod
+    def combine(self, state: Any, round_index: int, combine_input: CombineInput) -> None: ...
+
+    @abstractmethod
+    def finish(self, state: Any) -> torch.Tensor:
+        """[T, H] for the T tokens that entered `prepare`, summed over all their experts."""
+
+    def run(
+        self,
+        hidden_states: torch.Tensor,
+        topk: TopKOutput,
+        experts: Experts,
+        on_phase: Callable[[str], None] | None = None,
+    ) -> torch.Tensor:
+        phase = on_phase or (lambda p: None)
+        phase("dispatch")
+        state = self.prepare(hidden_states, topk)
+        rounds = self.num_rounds(state)
+        if self.buffers is not None and rounds > 1:
+            self.buffers.stats.dispatches_cut += 1
+        for r in range(rounds):
+            phase("dispatch")
+            d = self.dispatch(state, r)
+            if self.buffers is not None:
+                self.buffers.record_round(d.hidden_states.shape[0])
+                d.workspace = self.buffers
+            phase("experts")
+            out = experts(d)
+            phase("combine")
+            self.combine(state, r, out)
+        return self.finish(state)
+
+
+def recv_views(
+    buffers: DispatchBuffers | None, rows: int
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Views of the preallocated receive buffers for `rows` rows (None without admission)."""
+    if buffers is None:
+        return None, None
+    return buffers.hidden[:rows], buffers.routing[:rows]

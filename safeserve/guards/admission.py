@@ -1,0 +1,156 @@
+"""Dispatch-buffer admission: no routing can make a rank receive more than its budget.
+
+Every rank has a fixed receive budget `max_recv_tokens` (rows: one row is one token sent to one
+rank, with its top-k choices that live there) and preallocates, once, the buffers those rows and
+their expert work need. Before tokens move, the ranks share the count matrix (source x
+destination). When a destination would receive more than its budget, the dispatch runs in rounds
+that each fit. Every rank plans the same rounds from the same matrix, so no extra exchange is
+needed, and the per-token results are summed after the last round: the output is the same as
+with an unlimited budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+# Received rows per round on one rank, planned per (source, destination) pair:
+# rounds[r][s][d] = (start, stop) within the rows source s sends to destination d.
+RoundPlan = list[list[list[tuple[int, int]]]]
+
+
+def plan_rounds(counts: list[list[int]], budget: int) -> RoundPlan:
+    """Cuts the rows of a count matrix into rounds that each fit `budget` at every destination.
+
+    Per destination, rows are taken greedily in source order; a pair's rows may span rounds.
+    The number of rounds is the largest `ceil(column sum / budget)` (at least 1).
+    """
+    if budget < 1:
+        raise ValueError("budget must be at least 1")
+    sources = len(counts)
+    dests = len(counts[0]) if sources else 0
+    col = [sum(counts[s][d] for s in range(sources)) for d in range(dests)]
+    num_rounds = max([1] + [(c + budget - 1) // budget for c in col])
+    rounds: RoundPlan = [[[(0, 0)] * dests for _ in range(sources)] for _ in range(num_rounds)]
+    for d in range(dests):
+        r, room = 0, budget
+        for s in range(sources):
+            start, left = 0, counts[s][d]
+            while left > 0:
+                take = min(left, room)
+                rounds[r][s][d] = (start, start + take)
+                start += take
+                left -= take
+                room -= take
+                if room == 0:
+                    r, room = r + 1, budget
+    return rounds
+
+
+def plan_token_rounds(per_rank: list[int], budget: int) -> list[list[tuple[int, int]]]:
+    """Backend `none` (every rank receives every token): rounds over the tokens of all ranks, in
+    rank order; `rounds[r][s]` = (start, stop) within source s's tokens."""
+    total = sum(per_rank)
+    num_rounds = max(1, (total + budget - 1) // budget)
+    rounds = []
+    offsets = [sum(per_rank[:s]) for s in range(len(per_rank))]
+    for r in range(num_rounds):
+        lo, hi = r * budget, min(total, (r + 1) * budget)
+        rounds.append(
+            [
+                (max(lo, off) - off, max(max(lo, off), min(hi, off + n)) - off)
+                for off, n in zip(offsets, per_rank, strict=True)
+            ]
+        )
+    return rounds
+
+
+def bytes_per_recv_row(
+    hidden: int, moe_width: int, top_k: int, local_experts: int, dtype: torch.dtype
+) -> int:
+    """Memory one received row may need: the row, its routing, its output, and the expert
+    intermediates of its (at most `min(top_k, local_experts)`) local choices."""
+    pairs = min(top_k, local_experts)
+    elt = dtype.itemsize
+    return elt * (2 * hidden) + 8 * top_k + pairs * elt * (3 * moe_width + hidden)
+
+
+@dataclass
+class AdmissionStats:
+    budget: int
+    recv_peak: int = 0  # most rows received in one round since start
+    rounds_total: int = 0  # rounds run (one per dispatch when nothing had to be cut)
+    dispatches_cut: int = 0  # dispatches that needed more than one round
+    buffer_bytes: int = 0  # preallocated
+    buffer_peak_bytes: int = 0  # most of it ever in use
+
+
+@dataclass
+class DispatchBuffers:
+    """Preallocated once, at the budget: received rows, their routing, the experts' output,
+    and the per-expert intermediates of the torch expert path."""
+
+    max_recv_tokens: int
+    hidden: torch.Tensor  # [B, H]
+    routing: torch.Tensor  # [B, 2k] float32: weights, then local ids
+    expert_out: torch.Tensor  # [B, H]
+    work_x: torch.Tensor  # [B, H]    one expert's rows
+    work_gate_up: torch.Tensor  # [B, 2I]
+    work_act: torch.Tensor  # [B, I]
+    work_y: torch.Tensor  # [B, H]
+    stats: AdmissionStats = field(init=False)
+
+    @classmethod
+    def allocate(
+        cls,
+        max_recv_tokens: int,
+        hidden: int,
+        moe_width: int,
+        top_k: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> DispatchBuffers:
+        b = max_recv_tokens
+
+        def empty(*shape: int, dt: torch.dtype = dtype) -> torch.Tensor:
+            return torch.empty(shape, dtype=dt, device=device)
+
+        bufs = cls(
+            b,
+            empty(b, hidden),
+            empty(b, 2 * top_k, dt=torch.float32),
+            empty(b, hidden),
+            empty(b, hidden),
+            empty(b, 2 * moe_width),
+            empty(b, moe_width),
+            empty(b, hidden),
+        )
+        bufs.stats = AdmissionStats(budget=b, buffer_bytes=bufs.nbytes)
+        return bufs
+
+    @property
+    def nbytes(self) -> int:
+        parts = (
+            self.hidden,
+            self.routing,
+            self.expert_out,
+            self.work_x,
+            self.work_gate_up,
+            self.work_act,
+            self.work_y,
+        )
+        return sum(t.numel() * t.element_size() for t in parts)
+
+    def row_bytes(self) -> int:
+        return self.nbytes // self.max_recv_tokens
+
+    def record_round(self, received: int) -> None:
+        if received > self.max_recv_tokens:
+            raise RuntimeError(
+                f"admission violated: {received} rows > budget {self.max_recv_tokens}"
+            )
+        s = self.stats
+        s.rounds_total += 1
+        s.recv_peak = max(s.recv_peak, received)
+        s.buffer_peak_bytes = max(s.buffer_peak_bytes, received * self.row_bytes())

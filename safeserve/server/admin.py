@@ -1,0 +1,165 @@
+"""The admin API (`/admin/*`), served on its own port, bound to loopback unless told otherwise.
+
+Behind `--admin-api-key` (Bearer) when one is set. `POST /admin/faults` exists only with
+`--enable-fault-injection`.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import time
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from safeserve.messages import FAULT_KINDS, InjectFault
+from safeserve.server.errors import APIError, bad_request
+
+if TYPE_CHECKING:
+    from safeserve.server.app import ServerState
+
+MAX_FAULT_DELAY_S = 60.0
+
+
+def _check_admin(state: ServerState, request: Request) -> None:
+    key = state.args.admin_api_key
+    if not key:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        raise APIError(401, "missing or invalid admin API key", "invalid_api_key")
+
+
+def group_view(state: ServerState) -> list[dict[str, Any]]:
+    out = []
+    now = time.time()
+    for sup in state.supervisors:
+        g = sup.client
+        ranks = []
+        for r, st in sorted(g.ranks.items()) if g is not None else []:
+            ranks.append(
+                {
+                    "rank": r,
+                    "pid": st.pid,
+                    "device": st.stats.get("device", state.args.device),
+                    "step": st.step,
+                    "phase": st.phase,
+                    "phase_age_s": round(max(0.0, now - st.phase_since), 3),
+                    "heartbeat_age_s": round(max(0.0, now - st.received_at), 3),
+                    "utilization": round(st.utilization, 3),
+                    "memory_bytes": st.stats.get("memory_bytes", _rss(st.pid)),
+                    "dispatch": {k: v for k, v in st.stats.items() if k.startswith("dispatch_")},
+                }
+            )
+        verdicts = [] if g is None else g.verdicts[-10:]
+        out.append(
+            {
+                "id": sup.group,
+                **sup.describe(),
+                "reason": g.fatal if g is not None else None,
+                "running": g.stats.num_running if g is not None else 0,
+                "waiting": g.stats.num_waiting if g is not None else 0,
+                "in_flight": sup.load,
+                "ranks": ranks,
+                "verdicts": [
+                    {"kind": v.kind, "rank": v.rank, "reason": v.reason, "at": v.at}
+                    for v in verdicts
+                ],
+            }
+        )
+    return out
+
+
+def _rss(pid: int | None) -> int | None:
+    if pid is None:
+        return None
+    try:
+        import psutil
+
+        return psutil.Process(pid).memory_info().rss
+    except Exception:
+        return None
+
+
+def build_admin_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="safeserve admin", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> Response:
+        return exc.response()
+
+    @app.get("/admin/groups")
+    async def groups(request: Request) -> Response:
+        _check_admin(state, request)
+        return JSONResponse({"groups": group_view(state)})
+
+    @app.post("/admin/groups/{group_id}/{action}")
+    async def group_action(group_id: int, action: str, request: Request) -> Response:
+        _check_admin(state, request)
+        sups = {s.group: s for s in state.supervisors}
+        if group_id not in sups:
+            raise APIError(
+                404, f"no group {group_id}; groups are {sorted(sups)}", "group_not_found"
+            )
+        if action not in ("drain", "undrain", "restart"):
+            raise APIError(404, "action must be drain, undrain or restart", "not_found")
+        sup = sups[group_id]
+        try:
+            getattr(sup, action)()
+        except ValueError as e:
+            raise APIError(409, str(e), "conflict") from e
+        return JSONResponse(
+            {"ok": True, "group": group_id, "action": action, "state": sup.state.value}
+        )
+
+    @app.get("/admin/config")
+    async def config(request: Request) -> Response:
+        _check_admin(state, request)
+        guards = {
+            str(g.group): (g.ready_info.guards if g.ready_info else None) for g in state.groups
+        }
+        return JSONResponse({"args": state.args.to_dict(), "guards": guards})
+
+    if state.args.enable_fault_injection:
+
+        @app.post("/admin/faults")
+        async def faults(request: Request) -> Response:
+            _check_admin(state, request)
+            try:
+                body = json.loads(await request.body())
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise bad_request(f"malformed JSON body: {e}") from e
+            fault, targets = _parse_fault(state, body)
+            for g in targets:
+                g.inject_fault(fault)
+            return JSONResponse(
+                {"ok": True, "fault": fault.__dict__, "groups": [g.group for g in targets]}
+            )
+
+    return app
+
+
+def _parse_fault(state: ServerState, body: Any) -> tuple[InjectFault, list]:
+    if not isinstance(body, dict) or body.get("kind") not in FAULT_KINDS:
+        raise bad_request(f"kind must be one of {', '.join(FAULT_KINDS)}", "kind")
+    kind = body["kind"]
+    groups = state.groups
+    if kind == "clear":
+        return InjectFault("clear"), groups
+    if kind == "route_skew":
+        expert = body.get("expert")
+        experts = state.model_config.num_experts
+        if not isinstance(expert, int) or isinstance(expert, bool) or not 0 <= expert < experts:
+            raise bad_request(f"expert must be an integer in [0, {experts})", "expert")
+        return InjectFault("route_skew", expert=expert), groups
+    group, rank, delay = body.get("group", 0), body.get("rank"), body.get("delay_s")
+    ids = {g.group: g for g in groups}
+    if not isinstance(group, int) or group not in ids:
+        raise bad_request(f"group must be one of {sorted(ids)}", "group")
+    if not isinstance(rank, int) or not 0 <= rank < state.args.tp_size:
+        raise bad_request(f"rank must be an integer in [0, {state.args.tp_size})", "rank")
+    if not isinstance(delay, (int, float)) or not 0 <= delay <= MAX_FAULT_DELAY_S:
+        raise bad_request(f"delay_s must be a number in [0, {MAX_FAULT_DELAY_S:g}]", "delay_s")
+    return InjectFault("slow_rank", rank=rank, delay_s=float(delay)), [ids[group]]

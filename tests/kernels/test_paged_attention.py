@@ -1,0 +1,175 @@
+"""Paged-attention decode and KV store: the torch references against the engine's torch path on
+CPU; the Triton kernels against the references on a GPU (or in Triton's interpreter with
+TRITON_INTERPRET=1)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from safeserve.engine.attention import AttentionMetadata, paged_attention
+from safeserve.kernels import paged_attention as pa
+
+HAS_CUDA = torch.cuda.is_available() and pa.HAS_TRITON
+INTERPRET = pa.HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1"
+
+needs_kernel = pytest.mark.skipif(
+    not (HAS_CUDA or INTERPRET), reason="needs a CUDA device (or TRITON_INTERPRET=1)"
+)
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+
+def _problem(
+    context_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: str,
+    seed: int,
+) -> tuple[torch.Tensor, ...]:
+    """Random q, a random cache (every slot filled) and scattered, shuffled block tables."""
+    gen = torch.Generator().manual_seed(seed)
+    widths = [max(1, (c + block_size - 1) // block_size) for c in context_lens]
+    num_blocks = sum(widths) + 3
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, i = [], 0
+    width = max(widths)
+    for w in widths:
+        tables.append(perm[i : i + w] + [0] * (width - w))
+        i += w
+    slots = num_blocks * block_size
+    k_cache = torch.randn(slots, num_kv_heads, head_dim, generator=gen).to(device, dtype)
+    v_cache = torch.randn(slots, num_kv_heads, head_dim, generator=gen).to(device, dtype)
+    q = torch.randn(len(context_lens), num_heads, head_dim, generator=gen).to(device, dtype)
+    bt = torch.tensor(tables, dtype=torch.int32, device=device)
+    ctx = torch.tensor(context_lens, dtype=torch.int32, device=device)
+    return q, k_cache, v_cache, bt, ctx
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
+
+
+def test_decode_reference_matches_engine_torch_path() -> None:
+    """The decode oracle computes what the engine's per-sequence SDPA loop computes."""
+    block_size, scale = 4, 0.3
+    ctxs = [1, 7, 12, 5]
+    q, kc, vc, bt, ctx = _problem(ctxs, 8, 2, 16, block_size, torch.float32, "cpu", seed=0)
+    ref = pa.paged_decode_torch(q, kc, vc, bt, ctx, block_size, scale)
+    tables = [row.tolist() for row in bt]
+    meta = AttentionMetadata.build([1] * len(ctxs), ctxs, tables, block_size, "cpu")
+    assert not meta.is_decode_kernel  # CPU keeps the torch path
+    # paged_attention writes k/v of the last position first: give it what the cache holds.
+    last = meta.slot_mapping
+    k_new, v_new = kc[last].clone(), vc[last].clone()
+    out = paged_attention(q, k_new, v_new, (kc, vc), meta, scale)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_store_reference_skips_negative_slots() -> None:
+    kc = torch.zeros(8, 2, 4)
+    vc = torch.zeros(8, 2, 4)
+    k = torch.randn(3, 2, 4)
+    v = torch.randn(3, 2, 4)
+    pa.store_kv_torch(k, v, kc, vc, torch.tensor([5, -1, 2]))
+    torch.testing.assert_close(kc[5], k[0])
+    torch.testing.assert_close(vc[2], v[2])
+    assert kc[[0, 1, 3, 4, 6, 7]].abs().sum() == 0
+
+
+def test_split_count_fills_the_gpu_and_respects_context() -> None:
+    if not pa.HAS_TRITON:
+        pytest.skip("needs Triton")
+    assert pa.decode_splits(1, 4, 640) == 10  # one sequence: every 64 tokens their own program
+    assert pa.decode_splits(64, 4, 640) == 2
+    assert pa.decode_splits(256, 4, 640) == 1
+    assert pa.decode_splits(1, 4, 10) == 1
+
+
+DECODE_CASES = [
+    # context lengths, Hq, Hkv, D, block size
+    ([1], 32, 4, 128, 16),
+    ([640], 32, 4, 128, 16),
+    ([17, 1, 300, 65, 64], 32, 4, 128, 16),
+    ([0, 33, 0, 129], 8, 8, 64, 16),  # context 0 = graph padding rows: zeros
+    ([5, 100, 1000], 16, 2, 128, 32),
+    ([9, 70], 6, 2, 80, 1),  # head dim not a power of two, one token per block
+]
+
+
+@needs_kernel
+@pytest.mark.parametrize("case", range(len(DECODE_CASES)))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_decode_kernel_matches_reference(case: int, dtype: torch.dtype) -> None:
+    ctxs, hq, hkv, d, bs = DECODE_CASES[case]
+    if not HAS_CUDA and max(ctxs) > 300:
+        pytest.skip("long contexts are slow in the interpreter")
+    if not HAS_CUDA and dtype == torch.bfloat16:
+        pytest.skip("Triton 3.6's interpreter mis-computes bf16 tl.dot (checked apart)")
+    q, kc, vc, bt, ctx = _problem(ctxs, hq, hkv, d, bs, dtype, DEVICE, seed=case + 11)
+    scale = d**-0.5
+    ref = pa.paged_decode_torch(q.double(), kc.double(), vc.double(), bt, ctx, bs, scale)
+    out = torch.full_like(q, float("nan"))
+    pa.paged_decode(q, kc, vc, bt, ctx, bs, scale, out=out)
+    assert not out.isnan().any()
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    assert _rel_err(out, ref) <= tol
+    for b, c in enumerate(ctxs):
+        if c == 0:
+            assert out[b].abs().sum() == 0
+
+
+@needs_kernel
+def test_decode_kernel_wide_table_many_splits() -> None:
+    """A table much wider than the contexts (as in a CUDA graph sized for max_model_len)."""
+    ctxs = [3, 40]
+    q, kc, vc, bt, ctx = _problem(ctxs, 8, 2, 64, 16, torch.float32, DEVICE, seed=5)
+    wide = torch.zeros(2, 64, dtype=torch.int32, device=DEVICE)
+    wide[:, : bt.shape[1]] = bt
+    ref = pa.paged_decode_torch(q, kc, vc, bt, ctx, 16, 0.125)
+    out = pa.paged_decode(q, kc, vc, wide, ctx, 16, 0.125)
+    assert _rel_err(out, ref) <= 1e-5
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_store_kernel_matches_reference(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(3)
+    k = torch.randn(7, 4, 96, generator=gen).to(DEVICE, dtype)
+    v = torch.randn(7, 4, 96, generator=gen).to(DEVICE, dtype)
+    slots = torch.tensor([12, -1, 0, 33, -1, 7, 50], device=DEVICE)
+    kc = torch.randn(64, 4, 96, generator=gen).to(DEVICE, dtype)
+    vc = torch.randn(64, 4, 96, generator=gen).to(DEVICE, dtype)
+    kr, vr = kc.clone(), vc.clone()
+    pa.store_kv(k, v, kc, vc, slots)
+    pa.store_kv_torch(k, v, kr, vr, slots)
+    assert torch.equal(kc, kr) and torch.equal(vc, vr)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_decode_kernel_in_cuda_graph() -> None:
+    """Captured once, replayed on new contexts and contents: same answers as the reference."""
+    ctxs = [20, 3, 0, 90]
+    q, kc, vc, bt, ctx = _problem(ctxs, 32, 4, 128, 16, torch.bfloat16, "cuda", seed=8)
+    out = torch.empty_like(q)
+    pa.paged_decode(q, kc, vc, bt, ctx, 16, 0.1, out=out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        pa.paged_decode(q, kc, vc, bt, ctx, 16, 0.1, out=out)
+    for seed in range(3):
+        gen = torch.Generator().manual_seed(100 + seed)
+        q.copy_(torch.randn(q.shape, generator=gen))
+        kc.copy_(torch.randn(kc.shape, generator=gen))
+        new = torch.randint(0, 91, (4,), generator=gen).to(torch.int32)
+        new[2] = 0
+        ctx.copy_(new)
+        out.fill_(float("nan"))
+        graph.replay()
+        ref = pa.paged_decode_torch(q.double(), kc.double(), vc.double(), bt, ctx, 16, 0.1)
+        assert not out.isnan().any()
+        assert _rel_err(out, ref) <= 1e-2

@@ -1,0 +1,65 @@
+"""`safeserve bench` on the CPU with the tiny model: every number is there and positive."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from safeserve.cli import main
+
+
+def test_bench_tiny_cpu_with_transformers_peer(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    out = tmp_path / "bench.json"
+    rc = main(
+        [
+            "bench",
+            "--concurrency",
+            "1,3",
+            "--input-len",
+            "12",
+            "--output-len",
+            "4",
+            "--ceiling-gib",
+            "0.02",
+            "--peer",
+            "transformers",
+            "--json",
+            str(out),
+        ]
+    )
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert result["read_ceiling_gbs"] > 0
+    assert [p["concurrency"] for p in result["points"]] == [1, 3]
+    fields = (
+        "ttft_ms",
+        "tpot_ms",
+        "output_tok_s",
+        "decode_tok_s",
+        "decode_step_ms",
+        "step_bytes",
+        "floor_ms",
+        "achieved_gbs",
+        "ceiling_share",
+        "step_over_floor",
+        "experts_per_layer",
+    )
+    for p in result["points"]:
+        for f in fields:
+            assert p[f] > 0, f
+        # The tiny model routes top-2 of 8 experts.
+        assert 2 <= p["experts_per_layer"] <= 8
+    assert result["points"][1]["step_bytes"] > result["points"][0]["step_bytes"]
+    mb = result["model_bytes"]
+    assert mb["dense_bytes"] > 0 and mb["expert_bytes"] > 0 and mb["kv_bytes_per_token"] > 0
+    peer = result["peer"]["points"]
+    assert [p["concurrency"] for p in peer] == [1, 3]
+    for p in peer:
+        assert p["decode_step_ms"] > 0 and p["speedup_decode_tok_s"] > 0
+    table = capsys.readouterr().out
+    assert "step/floor" in table and "TPOT growth 1 -> 3" in table
+
+
+def test_bench_rejects_bad_flags(capsys) -> None:  # type: ignore[no-untyped-def]
+    assert main(["bench", "--concurrency", "0,2"]) == 2
+    assert "positive" in capsys.readouterr().err
