@@ -40,6 +40,8 @@ def test_help_lists_grouped_flags() -> None:
         (["--max-running-requests", "0"], "--max-running-requests must be at least 1"),
         (["--dtype", "int3"], "invalid choice"),
         (["--model", "/nonexistent/dir"], "neither 'tiny' nor a local checkpoint"),
+        (["--admin-host", "0.0.0.0"], "--admin-host off loopback needs --admin-api-key"),
+        (["--num-groups", "0"], "must be >= 1"),
     ],
 )
 def test_bad_flags_exit_non_zero_with_one_line(args: list[str], message: str) -> None:

@@ -278,3 +278,11 @@ def test_fault_endpoint_needs_the_flag_and_admin_key(server_factory) -> None:
         "memory_bytes",
     }
     assert httpx.get(s.url + "/admin/groups").status_code == 404  # not on the public port
+    # Bound to loopback only (checked on the listening socket; no traffic leaves the machine).
+    admin_port = int(s.admin_url.rsplit(":", 1)[1])
+    listening = [
+        c.laddr
+        for c in psutil.Process(s.proc.pid).net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN
+    ]
+    assert [a.ip for a in listening if a.port == admin_port] == ["127.0.0.1"]
