@@ -157,8 +157,11 @@ class Watchdog:
                     f"{ages[worst]:.1f} s; last phase {ranks[worst].phase} of step {ranks[worst].step}",
                 )
             ]
-        # Everyone beats, but nothing moves although there is work: someone is stuck idle.
-        if has_work:
+        # Everyone beats, but nothing moves although there is work, mid-step: someone is stuck
+        # idle while a peer waits in a collective. (All ranks "idle" is a group waiting for
+        # work, e.g. a starved leader: alive, not stuck in a collective; no verdict.)
+        mid_step = any(st.phase not in ("idle", "starting") for st in ranks.values())
+        if has_work and mid_step:
             last_move = max(st.phase_since for st in ranks.values())
             if now - last_move > self.stall_timeout:
                 idle = [r for r in ranks if utils[r] < IDLE_UTILIZATION]

@@ -140,6 +140,9 @@ class GroupClient:
         await asyncio.wait_for(self._ready_event.wait(), timeout)
 
     async def stop(self) -> None:
+        # First: the watchdog must not read an orderly exit as a death.
+        if self.state is not GroupState.FAILED:
+            self.state = GroupState.STOPPED
         with contextlib.suppress(zmq.ZMQError):
             await self._req.send(pickle.dumps(Shutdown()), flags=zmq.NOBLOCK)
         loop = asyncio.get_running_loop()

@@ -59,3 +59,13 @@ def test_slow_needs_a_sustained_window_and_fences_nothing() -> None:
     v = wd.check(0, ranks, {0: True, 1: True, 2: True}, has_work=True)
     assert [(x.kind, x.rank, x.fences) for x in v] == [("slow", 1, False)]
     assert wd.check(0, ranks, {0: True, 1: True, 2: True}, has_work=True) == []  # reported once
+
+
+def test_all_idle_with_queued_work_is_not_a_stall() -> None:
+    """A leader that has not picked work up yet (e.g. starved of CPU) is alive, not stuck."""
+    wd = Watchdog(stall_timeout=1)
+    old = time.time() - 5
+    ranks = {0: _St(phase="idle", phase_since=old), 1: _St(phase="idle", phase_since=old)}
+    wd.check(0, ranks, {0: True, 1: True}, has_work=True)
+    time.sleep(0.05)
+    assert wd.check(0, ranks, {0: True, 1: True}, has_work=True) == []
