@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -160,9 +159,6 @@ class _Checkpoint:
             return self.get(name)
         index = tuple([slice(None)] * piece.dim + [slice(piece.start, piece.stop)])
         return self.handles[self.weight_map[name]].get_slice(name)[index]
-
-    def names(self) -> Iterator[str]:
-        return iter(self.weight_map)
 
 
 def _hf_name(name: str) -> str:

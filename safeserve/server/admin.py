@@ -6,8 +6,6 @@ Behind `--admin-api-key` (Bearer) when one is set. `POST /admin/faults` exists o
 
 from __future__ import annotations
 
-import hmac
-import json
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -15,7 +13,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from safeserve.messages import FAULT_KINDS, InjectFault
-from safeserve.server.errors import APIError, bad_request
+from safeserve.server.errors import APIError, bad_request, require_bearer
+from safeserve.server.protocol import decode_json
 
 if TYPE_CHECKING:
     from safeserve.server.app import ServerState
@@ -24,12 +23,9 @@ MAX_FAULT_DELAY_S = 60.0
 
 
 def _check_admin(state: ServerState, request: Request) -> None:
-    key = state.args.admin_api_key
-    if not key:
-        return
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-        raise APIError(401, "missing or invalid admin API key", "invalid_api_key")
+    require_bearer(
+        request.headers.get("authorization", ""), state.args.admin_api_key, "admin API key"
+    )
 
 
 def group_view(state: ServerState) -> list[dict[str, Any]]:
@@ -127,10 +123,7 @@ def build_admin_app(state: ServerState) -> FastAPI:
         @app.post("/admin/faults")
         async def faults(request: Request) -> Response:
             _check_admin(state, request)
-            try:
-                body = json.loads(await request.body())
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise bad_request(f"malformed JSON body: {e}") from e
+            body = decode_json(await request.body())
             fault, targets = _parse_fault(state, body)
             for g in targets:
                 g.inject_fault(fault)

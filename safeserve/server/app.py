@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 import time
@@ -23,7 +22,7 @@ from safeserve.config import ServerArgs
 from safeserve.model.loader import load_model_config
 from safeserve.model.tokenizer import Tokenizer, TokenizerError, load_tokenizer
 from safeserve.server import protocol as P
-from safeserve.server.errors import APIError, bad_request, unavailable
+from safeserve.server.errors import APIError, bad_request, require_bearer, unavailable
 from safeserve.server.generate import Generation, Generator
 from safeserve.server.group_client import GroupClient
 from safeserve.server.metrics import Metrics
@@ -252,23 +251,11 @@ async def _watch_groups(state: ServerState) -> None:
 
 
 def _check_auth(state: ServerState, request: Request) -> None:
-    key = state.args.api_key
-    if not key:
-        return
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-        raise APIError(
-            401, "missing or invalid API key (send Authorization: Bearer <key>)", "invalid_api_key"
-        )
+    require_bearer(request.headers.get("authorization", ""), state.args.api_key)
 
 
 async def _json_body(request: Request) -> Any:
-    raw = await request.body()
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise bad_request(f"malformed JSON body: {e}") from e
+    return P.decode_json(await request.body())
 
 
 def _check_model(state: ServerState, name: str) -> None:

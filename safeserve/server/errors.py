@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hmac
+
 from fastapi.responses import JSONResponse
 
 _TYPES = {
@@ -49,6 +51,17 @@ class APIError(Exception):
         if self.status == 401:
             headers["WWW-Authenticate"] = "Bearer"
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def require_bearer(authorization: str, key: str | None, what: str = "API key") -> None:
+    """401 unless `Authorization: Bearer <key>` matches (no key configured: open)."""
+    if not key:
+        return
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        raise APIError(
+            401, f"missing or invalid {what} (send Authorization: Bearer <key>)", "invalid_api_key"
+        )
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Literal
 
@@ -117,6 +118,14 @@ class ChatCompletionRequest(_SamplingFields):
         if v:
             raise ValueError("logprobs are not supported")
         return v
+
+
+def decode_json(raw: bytes) -> Any:
+    """A request body as JSON, or one 400."""
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad_request(f"malformed JSON body: {e}") from e
 
 
 def parse(model: type[BaseModel], body: Any) -> Any:

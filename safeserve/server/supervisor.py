@@ -10,7 +10,6 @@ operator restarts it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import logging
 import time
@@ -200,9 +199,3 @@ class Supervisor:
             "crash_loop": self.crash_loop,
             "last_failure": self.last_reason,
         }
-
-
-async def cancel_quietly(task: asyncio.Task) -> None:
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError, Exception):
-        await task
