@@ -1,4 +1,4 @@
-"""`safeserve serve` (and, as they land, `group`, `bench`, `chaos`, `oncall`)."""
+"""`safeserve serve`, `bench` and `chaos` (and, as they land, `group` and `oncall`)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import logging
 import sys
 
 from safeserve.bench import add_bench_args
+from safeserve.chaos.cli import add_chaos_args
 from safeserve.config import ConfigError, ServerArgs
 
 
@@ -76,6 +77,12 @@ def _serve(ns: argparse.Namespace) -> int:
     return 1 if fatal else 0
 
 
+def _chaos(ns: argparse.Namespace) -> int:
+    from safeserve.chaos.cli import main as chaos_main
+
+    return chaos_main(ns)
+
+
 def _bench(ns: argparse.Namespace) -> int:
     from safeserve.bench import main as bench_main
 
@@ -95,6 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_bench_args(bench)
     bench.set_defaults(func=_bench)
+    chaos = sub.add_parser(
+        "chaos", help="chaos runs: load + injected faults, and the goals they must meet"
+    )
+    add_chaos_args(chaos)
+    chaos.set_defaults(func=_chaos)
     return parser
 
 

@@ -46,10 +46,11 @@ def group_view(state: ServerState) -> list[dict[str, Any]]:
                     "heartbeat_age_s": round(max(0.0, now - st.received_at), 3),
                     "utilization": round(st.utilization, 3),
                     "memory_bytes": st.stats.get("memory_bytes", _rss(st.pid)),
+                    "memory_peak_bytes": st.stats.get("memory_peak_bytes"),
                     "dispatch": {k: v for k, v in st.stats.items() if k.startswith("dispatch_")},
                 }
             )
-        verdicts = [] if g is None else g.verdicts[-10:]
+        verdicts = sup.verdicts()[-10:]
         out.append(
             {
                 "id": sup.group,
@@ -63,6 +64,7 @@ def group_view(state: ServerState) -> list[dict[str, Any]]:
                     {"kind": v.kind, "rank": v.rank, "reason": v.reason, "at": v.at}
                     for v in verdicts
                 ],
+                "events": [{"at": at, "state": st} for at, st in sup.events],
             }
         )
     return out

@@ -89,7 +89,9 @@ class Generation:
                     self.first_token_at = now
                     m.ttft.observe(now - self.arrival)
                 total = self.base_outputs + out.num_output_tokens
-                m.generation_tokens.inc(max(0, total - self.num_output_tokens))
+                m.generation_tokens.labels(str(self.supervisor.group)).inc(
+                    max(0, total - self.num_output_tokens)
+                )
                 self.num_output_tokens = max(self.num_output_tokens, total)
                 self.produced.extend(out.new_token_ids)
                 finish = out.finish_reason

@@ -35,7 +35,10 @@ class Metrics:
             PREFIX + "prompt_tokens", "Prompt tokens admitted.", registry=r
         )
         self.generation_tokens = Counter(
-            PREFIX + "generation_tokens", "Tokens generated.", registry=r
+            PREFIX + "generation_tokens",
+            "Tokens generated, by the group that generated them.",
+            ["group"],
+            registry=r,
         )
         self.ttft = Histogram(
             PREFIX + "time_to_first_token_seconds",

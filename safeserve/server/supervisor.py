@@ -13,13 +13,17 @@ import asyncio
 import enum
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 
 from safeserve.config import ServerArgs
+from safeserve.guards.watchdog import Verdict
 from safeserve.server.group_client import GroupClient, GroupState
 from safeserve.server.metrics import Metrics
 
 logger = logging.getLogger(__name__)
+
+HISTORY = 50  # state changes and watchdog verdicts kept per group, across incarnations
 
 
 class SupervisorState(enum.Enum):
@@ -55,6 +59,10 @@ class Supervisor:
         self._tasks: set[asyncio.Task] = set()
         self._restart_after_drain = False
         self._stopping = False
+        # (wall time, state) of every change, and the verdicts of earlier incarnations: what an
+        # operator (and a chaos run) reads to time detection and recovery.
+        self.events: deque[tuple[float, str]] = deque([(time.time(), self.state.value)], HISTORY)
+        self.past_verdicts: deque[Verdict] = deque(maxlen=HISTORY)
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -163,6 +171,7 @@ class Supervisor:
         old = self.client
         if old is not None:
             await old.stop()  # every process of the old incarnation gone, its sockets closed
+            self.past_verdicts.extend(old.verdicts)
         self._restart_after_drain = False
         self.restarts_total += 1
         self.metrics.group_restarts.labels(str(self.group)).inc()
@@ -181,6 +190,7 @@ class Supervisor:
     def _set(self, state: SupervisorState) -> None:
         if state is not self.state:
             logger.info("group %d: %s -> %s", self.group, self.state.value, state.value)
+            self.events.append((time.time(), state.value))
         self.state = state
         for s in SupervisorState:
             self.metrics.group_state.labels(str(self.group), s.value).set(1 if s is state else 0)
@@ -190,6 +200,11 @@ class Supervisor:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def verdicts(self) -> list[Verdict]:
+        """Watchdog verdicts of every incarnation, oldest first."""
+        current = self.client.verdicts if self.client is not None else []
+        return [*self.past_verdicts, *current][-HISTORY:]
 
     def describe(self) -> dict:
         return {

@@ -1,0 +1,313 @@
+"""What a chaos run proved: requests sent / succeeded / failed / lost, detection, recovery and
+the other groups' goodput per fault, the guards' numbers, and each goal met or missed.
+
+Definitions (README.md, Chaos runs):
+- *succeeded*: HTTP 200, no error event, a finish reason and every one of `max_tokens` tokens;
+  *failed*: the server said no (an error status or error event; the client knows to retry);
+  *lost*: anything else (a stream cut without an error, missing tokens): the outcome we forbid.
+- *consistent*: a succeeded request's tokens equal the most common output of its prompt
+  (greedy), so a continuation on another group lost or repeated nothing.
+- *baseline*: from `warmup_s` to the first fault; each group's tokens/s there (server counter
+  `generation_tokens_total{group}`) and the p99 TPOT of requests that started on it.
+- per signal fault on group g: *detect* = first watchdog verdict on g after the signal;
+  *ready* = g READY again; *recovered* = first time g's tokens/s over the last
+  `RECOVERY_WINDOW_S` is back at `recover_throughput` × its baseline. The fault's *window* runs
+  from the signal to that recovery (or the next fault, or the end); the *survivors* are the
+  other groups: their tokens/s in the window ÷ baseline, and the p99 TPOT of their own requests
+  (started on them) that ran in the window against their baseline p99.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Any
+
+from safeserve.chaos.faults import FaultRecord
+from safeserve.chaos.load import RequestRecord
+from safeserve.chaos.observer import Observer, metric_total
+from safeserve.chaos.scenario import EXPECTED_VERDICT, SIGNAL_ACTIONS, Scenario
+
+RECOVERY_WINDOW_S = 3.0
+
+
+def p99(xs: list[float]) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    return s[min(len(s) - 1, math.ceil(0.99 * len(s)) - 1)]
+
+
+def outcome(r: RequestRecord, max_tokens: int) -> str:
+    if r.error:
+        return "failed"
+    if r.status == 200 and r.finish_reason and not r.broken and len(r.token_ids) == max_tokens:
+        return "succeeded"
+    return "lost"
+
+
+def request_summary(records: list[RequestRecord], max_tokens: int) -> dict[str, Any]:
+    kinds = Counter(outcome(r, max_tokens) for r in records)
+    ok = [r for r in records if outcome(r, max_tokens) == "succeeded"]
+    usual: dict[int, tuple[int, ...]] = {}
+    for p in {r.prompt for r in ok}:
+        usual[p] = Counter(tuple(r.token_ids) for r in ok if r.prompt == p).most_common(1)[0][0]
+    consistent = sum(1 for r in ok if tuple(r.token_ids) == usual[r.prompt])
+    examples = [
+        f"#{r.index}: {r.error or r.broken or f'{len(r.token_ids)} tokens'}"
+        for r in records
+        if outcome(r, max_tokens) != "succeeded"
+    ][:5]
+    return {
+        "sent": len(records),
+        "succeeded": kinds["succeeded"],
+        "failed": kinds["failed"],
+        "lost": kinds["lost"],
+        "consistent": (consistent / len(ok)) if ok else None,
+        "tokens": sum(len(r.token_ids) for r in records),
+        "not_succeeded_examples": examples,
+    }
+
+
+def _first_event(group: dict, state: str, after: float) -> float | None:
+    times = [e["at"] for e in group.get("events", []) if e["state"] == state and e["at"] >= after]
+    return min(times) if times else None
+
+
+def _tpots(records: list[RequestRecord], group: int, a: float, b: float, mt: int) -> list[float]:
+    """TPOT of the succeeded requests that started on `group` and produced tokens in [a, b]."""
+    out = []
+    for r in records:
+        if r.group != group or outcome(r, mt) != "succeeded" or not r.times:
+            continue
+        if r.times[0] <= b and r.times[-1] >= a and (t := r.tpot()) is not None:
+            out.append(t)
+    return out
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else a / b
+
+
+def analyse_faults(
+    sc: Scenario, obs: Observer, records: list[RequestRecord], faults: list[FaultRecord]
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    mt, end = sc.load.max_tokens, sc.load.duration_s
+    final = obs.samples[-1].groups if obs.samples else []
+    ids = sorted(g["id"] for g in final)
+    first_fault = faults[0].at if faults else end
+    a = sc.load.warmup_s
+    base = {
+        g: {
+            "tokens_per_s": obs.rate(g, a, first_fault),
+            "p99_tpot_s": p99(_tpots(records, g, a, first_fault, mt)),
+        }
+        for g in ids
+    }
+    out = []
+    for i, fr in enumerate(faults):
+        f = fr.fault
+        rec: dict[str, Any] = {
+            "action": f.action,
+            "group": f.group,
+            "rank": f.rank,
+            "scheduled_s": f.at_s,
+            "at_s": round(fr.at, 3),
+            "pid": fr.pid,
+            "verified": fr.verified,
+            "detail": fr.detail,
+        }
+        nxt = faults[i + 1].at if i + 1 < len(faults) else end
+        g = next((x for x in final if x["id"] == f.group), None)
+        want = EXPECTED_VERDICT.get(f.action)
+        if want and g is not None:
+            vs = [v for v in g.get("verdicts", []) if v["at"] >= fr.wall and v["kind"] == want]
+            rec["verdict"] = want if vs else None
+            rec["detect_s"] = round(min(v["at"] for v in vs) - fr.wall, 3) if vs else None
+        recovered = None
+        if f.action in SIGNAL_ACTIONS and f.action != "sigcont" and g is not None:
+            failed = _first_event(g, "FAILED", fr.wall)
+            ready = _first_event(g, "READY", failed) if failed is not None else None
+            rec["failed_s"] = None if failed is None else round(failed - fr.wall, 3)
+            rec["ready_s"] = None if ready is None else round(ready - fr.wall, 3)
+            target = (base[f.group]["tokens_per_s"] or 0) * sc.goals.recover_throughput
+            if ready is not None and target > 0:
+                t = fr.at + (ready - fr.wall)
+                for s in obs.samples:
+                    if s.t < t or s.t > nxt:
+                        continue
+                    r = obs.rate(f.group, s.t - RECOVERY_WINDOW_S, s.t)
+                    if r is not None and r >= target:
+                        recovered = s.t
+                        break
+            rec["recovered_s"] = None if recovered is None else round(recovered - fr.at, 3)
+        w_end = min(nxt, recovered if recovered is not None else nxt)
+        rec["window_s"] = [round(fr.at, 3), round(w_end, 3)]
+        surv = {}
+        for h in ids:
+            if h == f.group:
+                continue
+            tps = obs.rate(h, fr.at, w_end)
+            tp99 = p99(_tpots(records, h, fr.at, w_end, mt))
+            surv[str(h)] = {
+                "tokens_per_s": tps,
+                "goodput_ratio": _ratio(tps, base[h]["tokens_per_s"]),
+                "p99_tpot_s": tp99,
+                "p99_tpot_ratio": _ratio(tp99, base[h]["p99_tpot_s"]),
+            }
+        rec["survivors"] = surv
+        out.append(rec)
+    return {str(g): v for g, v in base.items()}, out
+
+
+def dispatch_summary(
+    groups: list[dict[str, Any]], at_start: list[dict[str, Any]] | None = None
+) -> list[dict[str, Any]]:
+    """Per rank: admission counters and memory at the end (and its peak when the run began)."""
+    start = {
+        (g["id"], r["rank"]): r.get("memory_peak_bytes")
+        for g in at_start or []
+        for r in g.get("ranks", [])
+    }
+    rows = []
+    for g in groups:
+        for r in g.get("ranks", []):
+            d = r.get("dispatch") or {}
+            rows.append(
+                {
+                    "group": g["id"],
+                    "rank": r["rank"],
+                    "budget": d.get("dispatch_budget_tokens"),
+                    "recv_peak": d.get("dispatch_recv_tokens_peak"),
+                    "rounds": d.get("dispatch_rounds_total"),
+                    "cut": d.get("dispatch_cut_total"),
+                    "buffer_bytes": d.get("dispatch_buffer_bytes"),
+                    "buffer_peak_bytes": d.get("dispatch_buffer_peak_bytes"),
+                    "memory_bytes": r.get("memory_bytes"),
+                    "memory_peak_bytes": r.get("memory_peak_bytes"),
+                    "memory_peak_bytes_at_start": start.get((g["id"], r["rank"])),
+                }
+            )
+    return rows
+
+
+def server_counters(before: dict, after: dict, groups_before: list, groups_after: list) -> dict:
+    def delta(name: str, **labels: str) -> float:
+        return metric_total(after, name, **labels) - metric_total(before, name, **labels)
+
+    fails = {g["id"]: g["failures"] for g in groups_before}
+    rests = {g["id"]: g["restarts"] for g in groups_before}
+    return {
+        "migrations": delta("request_migrations_total"),
+        "retries": delta("request_retries_total"),
+        "failed_after_retries": delta("requests_failed_after_retries_total"),
+        "lost": delta("requests_lost_total"),
+        "verdicts": {
+            v: delta("watchdog_verdicts_total", verdict=v) for v in ("dead", "stalled", "slow")
+        },
+        "group_failures": {
+            str(g["id"]): g["failures"] - fails.get(g["id"], 0) for g in groups_after
+        },
+        "group_restarts": {
+            str(g["id"]): g["restarts"] - rests.get(g["id"], 0) for g in groups_after
+        },
+    }
+
+
+def _goal(name: str, target: Any, value: Any, ok: bool) -> dict[str, Any]:
+    return {"goal": name, "target": target, "value": value, "ok": bool(ok)}
+
+
+def evaluate(sc: Scenario, report: dict[str, Any]) -> list[dict[str, Any]]:
+    gl, req, faults = sc.goals, report["requests"], report["faults"]
+    out = []
+    if gl.lost_max is not None:
+        out.append(_goal("lost", f"<= {gl.lost_max}", req["lost"], req["lost"] <= gl.lost_max))
+    if gl.failed_max is not None:
+        out.append(
+            _goal("failed", f"<= {gl.failed_max}", req["failed"], req["failed"] <= gl.failed_max)
+        )
+    if gl.consistent_min is not None:
+        v = req["consistent"]
+        out.append(
+            _goal(
+                "consistent", f">= {gl.consistent_min}", v, v is not None and v >= gl.consistent_min
+            )
+        )
+    for action, limit, name in (
+        ("sigkill", gl.detect_kill_max_s, "detect_kill_s"),
+        ("sigstop", gl.detect_stall_max_s, "detect_stall_s"),
+    ):
+        if limit is None:
+            continue
+        for f in (f for f in faults if f["action"] == action):
+            v = f.get("detect_s")
+            out.append(
+                _goal(name, f"<= {limit}", v, f["verified"] and v is not None and v <= limit)
+            )
+    for f in faults:
+        if f["action"] not in ("sigkill", "sigstop"):
+            continue
+        tag = f"{f['action']}@{f['scheduled_s']:g}s"
+        if gl.recover_max_s is not None:
+            v = f.get("recovered_s")
+            out.append(
+                _goal(
+                    f"recovered_s {tag}",
+                    f"<= {gl.recover_max_s}",
+                    v,
+                    v is not None and v <= gl.recover_max_s,
+                )
+            )
+        for h, s in f["survivors"].items():
+            if gl.survivor_goodput_min is not None:
+                v = s["goodput_ratio"]
+                out.append(
+                    _goal(
+                        f"group {h} goodput {tag}",
+                        f">= {gl.survivor_goodput_min}",
+                        v,
+                        v is not None and v >= gl.survivor_goodput_min,
+                    )
+                )
+            if gl.survivor_p99_tpot_max_increase is not None:
+                v = s["p99_tpot_ratio"]
+                lim = 1 + gl.survivor_p99_tpot_max_increase
+                out.append(
+                    _goal(
+                        f"group {h} p99 TPOT ratio {tag}",
+                        f"<= {lim:g}",
+                        v,
+                        v is not None and v <= lim,
+                    )
+                )
+    for f in faults:
+        if not f["verified"]:
+            out.append(
+                _goal(
+                    f"fault took effect {f['action']}@{f['scheduled_s']:g}s",
+                    True,
+                    f["detail"],
+                    False,
+                )
+            )
+    if gl.group_failures_max is not None:
+        v = sum(report["server"]["group_failures"].values())
+        out.append(
+            _goal("group failures", f"<= {gl.group_failures_max}", v, v <= gl.group_failures_max)
+        )
+    if gl.dispatch_within_budget:
+        rows = [r for r in report["dispatch"] if r["budget"] is not None]
+        over = [
+            f"g{r['group']}r{r['rank']}"
+            for r in rows
+            if r["recv_peak"] > r["budget"]
+            or (r["buffer_peak_bytes"] or 0) > (r["buffer_bytes"] or 0)
+        ]
+        value = (
+            "no admission stats (is --dispatch-budget-tokens set?)"
+            if not rows
+            else (over or "all within")
+        )
+        out.append(_goal("dispatch within budget", True, value, bool(rows) and not over))
+    return out

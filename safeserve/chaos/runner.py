@@ -1,0 +1,338 @@
+"""`safeserve chaos run`: serve (or reach) a server, offer the scenario's load, inject its faults
+on time, watch, and report what held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, TextIO
+
+import httpx
+
+from safeserve.chaos.faults import FaultRecord, Injector
+from safeserve.chaos.load import Load
+from safeserve.chaos.observer import Observer
+from safeserve.chaos.report import (
+    analyse_faults,
+    dispatch_summary,
+    evaluate,
+    request_summary,
+    server_counters,
+)
+from safeserve.chaos.scenario import Scenario
+
+PROGRESS_S = 2.0
+
+
+class ServerStartError(RuntimeError):
+    pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalServer:
+    """`safeserve serve` with the scenario's arguments, in its own process group."""
+
+    def __init__(self, args: list[str], log: Path) -> None:
+        self.port, self.admin_port = _free_port(), _free_port()
+        self.log = log
+        cmd = [sys.executable, "-m", "safeserve.cli", "serve", *args]
+        cmd += [
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--admin-port",
+            str(self.admin_port),
+        ]
+        self.fh = log.open("w")
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.fh, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.admin_url = f"http://127.0.0.1:{self.admin_port}"
+
+    def wait_ready(self, timeout: float, progress: TextIO) -> None:
+        deadline = time.monotonic() + timeout
+        last = 0.0
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                tail = self.log.read_text(errors="replace").strip().splitlines()[-5:]
+                raise ServerStartError(
+                    f"the server exited with code {self.proc.returncode}: " + " | ".join(tail)
+                )
+            try:
+                if httpx.get(self.url + "/ready", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() - last > 10:
+                last = time.monotonic()
+                print(f"[chaos] waiting for the server (log: {self.log})", file=progress)
+            time.sleep(0.5)
+        self.stop()
+        raise ServerStartError(f"the server was not ready within {timeout:.0f} s (log: {self.log})")
+
+    def stop(self) -> None:
+        for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 5)):
+            try:
+                os.killpg(self.proc.pid, sig)
+                self.proc.wait(timeout=wait)
+                break
+            except ProcessLookupError:
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        self.fh.close()
+
+
+async def _all_ready(obs: Observer, timeout: float, progress: TextIO) -> list[dict]:
+    """Waits until every group is READY: a run that starts half up measures the start-up."""
+    deadline = time.monotonic() + timeout
+    async with httpx.AsyncClient(timeout=5.0) as client:
+        while True:
+            groups = await obs.groups(client)
+            if groups and all(g["state"] == "READY" for g in groups):
+                return groups
+            if time.monotonic() > deadline:
+                states = ", ".join(f"{g['id']}: {g['state']}" for g in groups)
+                raise ServerStartError(f"not every group READY within {timeout:.0f} s ({states})")
+            print(f"[chaos] waiting for every group READY ({len(groups)} groups)", file=progress)
+            await asyncio.sleep(1.0)
+
+
+async def _model(url: str, key: str | None) -> str:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    async with httpx.AsyncClient(timeout=10.0) as c:
+        r = await c.get(url + "/v1/models", headers=headers)
+        r.raise_for_status()
+        return r.json()["data"][0]["id"]
+
+
+async def _faults(
+    sc: Scenario, inj: Injector, load: Load, out: list[FaultRecord], progress: TextIO
+) -> None:
+    for f in sc.faults:
+        await asyncio.sleep(max(0.0, f.at_s - load.now()))
+        rec = await inj.inject(f, load.now())
+        out.append(rec)
+        state = "took effect" if rec.verified else "DID NOT take effect"
+        where = f"group {f.group}" + (f" rank {f.rank}" if f.rank is not None else "")
+        print(f"[chaos] t={rec.at:.1f}s {f.action} {where}: {state} ({rec.detail})", file=progress)
+
+
+async def _progress(
+    sc: Scenario, load: Load, obs: Observer, stop: asyncio.Event, progress: TextIO
+) -> None:
+    while not stop.is_set():
+        try:
+            await asyncio.wait_for(stop.wait(), PROGRESS_S)
+        except TimeoutError:
+            pass
+        t = load.now()
+        done = sum(1 for r in load.records if r.finish_reason or r.error or r.broken)
+        rates, states = [], []
+        if obs.samples:
+            last = obs.samples[-1]
+            for g in last.groups:
+                r = obs.rate(g["id"], max(0.0, last.t - PROGRESS_S), last.t)
+                rates.append(f"g{g['id']}={0 if r is None else r:.0f}")
+                states.append(f"g{g['id']} {g['state']}")
+        print(
+            f"[chaos] t={t:.0f}s/{sc.load.duration_s:.0f}s sent={len(load.records)} done={done} "
+            f"in-flight={load.in_flight} tok/s {' '.join(rates)} | {', '.join(states)}",
+            file=progress,
+        )
+
+
+async def run(
+    sc: Scenario,
+    url: str,
+    admin_url: str,
+    api_key: str | None,
+    admin_key: str | None,
+    progress: TextIO,
+    ready_timeout: float,
+) -> dict[str, Any]:
+    obs = Observer(url.rstrip("/"), admin_url.rstrip("/"), admin_key)
+    groups_before = await _all_ready(obs, ready_timeout, progress)
+    model = await _model(obs.url, api_key)
+    async with httpx.AsyncClient(timeout=10.0) as c:
+        before = await obs.metrics(c)
+    load = Load(obs.url, sc.load, model, api_key)
+    inj = Injector(obs.admin_url, admin_key)
+    faults: list[FaultRecord] = []
+    stop = asyncio.Event()
+    t0 = time.monotonic()
+    print(
+        f"[chaos] {sc.name}: {sc.load.concurrency} streams for {sc.load.duration_s:.0f} s, "
+        f"{len(sc.faults)} fault(s)",
+        file=progress,
+    )
+    poll = asyncio.create_task(obs.poll(t0, stop))
+    prog = asyncio.create_task(_progress(sc, load, obs, stop, progress))
+    fault_task = asyncio.create_task(_faults(sc, inj, load, faults, progress))
+    try:
+        await load.run(t0)
+        await fault_task
+    finally:
+        fault_task.cancel()
+        inj.release()
+        await asyncio.sleep(2 * 0.25)  # a last sample after the last token
+        stop.set()
+        await asyncio.gather(poll, prog, return_exceptions=True)
+    async with httpx.AsyncClient(timeout=10.0) as c:
+        after, groups_after = await asyncio.gather(obs.metrics(c), obs.groups(c))
+    baseline, fault_rows = analyse_faults(sc, obs, load.records, faults)
+    report: dict[str, Any] = {
+        "scenario": sc.name,
+        "description": sc.description,
+        "load": asdict(sc.load),
+        "elapsed_s": round(load.now(), 3),
+        "requests": request_summary(load.records, sc.load.max_tokens),
+        "baseline": baseline,
+        "faults": fault_rows,
+        "server": server_counters(before, after, groups_before, groups_after),
+        "dispatch": dispatch_summary(groups_after, groups_before),
+        "observer_poll_errors": obs.errors,
+        "timeline": timeline(obs),
+    }
+    report["goals"] = evaluate(sc, report)
+    report["ok"] = all(g["ok"] for g in report["goals"])
+    return report
+
+
+def timeline(obs: Observer, step: float = 1.0) -> list[dict[str, Any]]:
+    """Per second: each group's tokens/s and state (for plots and for reading a run back)."""
+    if not obs.samples:
+        return []
+    rows, t = [], step
+    while t <= obs.samples[-1].t:
+        s = min(obs.samples, key=lambda x: abs(x.t - t))
+        rows.append(
+            {
+                "t": round(t, 1),
+                "tokens_per_s": {
+                    str(g["id"]): _round(obs.rate(g["id"], t - step, t)) for g in s.groups
+                },
+                "state": {str(g["id"]): g["state"] for g in s.groups},
+            }
+        )
+        t += step
+    return rows
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 1)
+
+
+def run_scenario(
+    sc: Scenario,
+    url: str | None,
+    admin_url: str | None,
+    api_key: str | None,
+    admin_key: str | None,
+    server_log: Path | None,
+    extra_args: list[str],
+    progress: TextIO = sys.stderr,
+) -> dict[str, Any]:
+    server = None
+    if url is None:
+        assert sc.server is not None
+        log = server_log or Path(
+            tempfile.mkstemp(prefix=f"safeserve-chaos-{sc.name}-", suffix=".log")[1]
+        )
+        server = LocalServer([*sc.server.args, *extra_args], log)
+        print(f"[chaos] starting the server (log: {log})", file=progress)
+        server.wait_ready(sc.server.ready_timeout_s, progress)
+        url, admin_url = server.url, server.admin_url
+    assert admin_url is not None
+    timeout = sc.server.ready_timeout_s if sc.server else 60.0
+    try:
+        report = asyncio.run(run(sc, url, admin_url, api_key, admin_key, progress, timeout))
+    finally:
+        if server is not None:
+            server.stop()
+    if server is not None:
+        report["server_log"] = str(server.log)
+    return report
+
+
+def render(report: dict[str, Any]) -> str:
+    req = report["requests"]
+    lines = [
+        f"scenario {report['scenario']}: {'PASS' if report['ok'] else 'FAIL'} "
+        f"({report['elapsed_s']:.0f} s)",
+        f"requests: sent {req['sent']}, succeeded {req['succeeded']}, failed {req['failed']}, "
+        f"lost {req['lost']}, consistent {_pct(req['consistent'])}; "
+        f"migrations {report['server']['migrations']:.0f}, retries {report['server']['retries']:.0f}",
+        "baseline: "
+        + ", ".join(
+            f"group {g} {_num(b['tokens_per_s'])} tok/s p99 TPOT {_ms(b['p99_tpot_s'])}"
+            for g, b in report["baseline"].items()
+        ),
+    ]
+    for f in report["faults"]:
+        where = f"group {f['group']}" + (f" rank {f['rank']}" if f["rank"] is not None else "")
+        line = f"fault t={f['at_s']:.1f}s {f['action']} {where}: {'ok' if f['verified'] else 'NO EFFECT'}"
+        for key in ("detect_s", "failed_s", "ready_s", "recovered_s"):
+            if key in f:
+                line += f", {key[:-2]} {_s(f[key])}"
+        for h, s in f["survivors"].items():
+            line += (
+                f"; group {h} goodput {_pct(s['goodput_ratio'])} "
+                f"p99 TPOT {_ms(s['p99_tpot_s'])} (x{_num(s['p99_tpot_ratio'], 2)})"
+            )
+        lines.append(line)
+    for r in report["dispatch"]:
+        if r["budget"] is not None or r["memory_peak_bytes"] is not None:
+            lines.append(
+                f"group {r['group']} rank {r['rank']}: recv peak {r['recv_peak']} / budget "
+                f"{r['budget']}, cut {r['cut']}, memory {_gib(r['memory_bytes'])}, peak "
+                f"{_gib(r['memory_peak_bytes_at_start'])} at start, {_gib(r['memory_peak_bytes'])} "
+                "at end"
+            )
+    lines.append("goals:")
+    for g in report["goals"]:
+        lines.append(
+            f"  {'ok  ' if g['ok'] else 'MISS'} {g['goal']}: {g['value']} (target {g['target']})"
+        )
+    return "\n".join(lines)
+
+
+def _num(x: float | None, nd: int = 0) -> str:
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{1000 * x:.1f} ms"
+
+
+def _s(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f} s"
+
+
+def _gib(x: float | None) -> str:
+    return "-" if x is None else f"{x / 2**30:.2f} GiB"
+
+
+def dump(report: dict[str, Any], path: Path) -> None:
+    path.write_text(json.dumps(report, indent=1, default=str))

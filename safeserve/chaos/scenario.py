@@ -1,0 +1,193 @@
+"""Chaos scenarios: a TOML file (data under the top-level `chaos/` folder) says what server to
+run, what load to offer, which faults to inject when, and which goals the run must meet.
+
+```toml
+name = "kill-then-stall"
+[server]                   # optional: without it, `safeserve chaos run --url` names the server
+args = ["--num-groups", "2", "--max-running-requests", "8"]
+[load]
+concurrency = 16           # streams kept in flight (closed loop)
+prompt_tokens = 64
+max_tokens = 64
+duration_s = 60
+warmup_s = 5
+[[faults]]
+at_s = 20
+action = "sigkill"         # see FAULT_ACTIONS
+group = 0
+rank = 1
+[goals]
+lost_max = 0
+detect_kill_max_s = 2.0
+```
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+SIGNAL_ACTIONS = ("sigkill", "sigstop", "sigcont")
+ENGINE_ACTIONS = ("route_skew", "slow_rank", "clear")  # POST /admin/faults
+GROUP_ACTIONS = ("drain", "undrain", "restart")  # POST /admin/groups/{id}/{action}
+FAULT_ACTIONS = SIGNAL_ACTIONS + ENGINE_ACTIONS + GROUP_ACTIONS
+# Which watchdog verdict a fault must draw (a fault that draws none had no visible effect).
+EXPECTED_VERDICT = {"sigkill": "dead", "sigstop": "stalled", "slow_rank": "slow"}
+
+
+class ScenarioError(ValueError):
+    """The scenario file is wrong; the message names the file and the field."""
+
+
+@dataclass
+class ServerSpec:
+    args: list[str] = field(default_factory=list)
+    ready_timeout_s: float = 600.0
+
+
+@dataclass
+class LoadSpec:
+    concurrency: int = 8
+    prompt_tokens: int = 32
+    max_tokens: int = 32
+    duration_s: float = 30.0
+    warmup_s: float = 3.0
+    ramp_s: float = 0.0  # client i starts at i/concurrency x ramp_s: no lock-step waves
+    distinct_prompts: int = 8  # prompts cycle, so greedy outputs can be compared for consistency
+    request_timeout_s: float = 300.0
+
+
+@dataclass
+class Fault:
+    at_s: float
+    action: str
+    group: int = 0
+    rank: int | None = None
+    expert: int | None = None  # route_skew
+    delay_s: float | None = None  # slow_rank
+
+
+@dataclass
+class Goals:
+    lost_max: int | None = 0
+    failed_max: int | None = 0
+    consistent_min: float | None = None  # share of completions equal to their prompt's usual one
+    detect_kill_max_s: float | None = None
+    detect_stall_max_s: float | None = None
+    recover_max_s: float | None = None  # faulted group back at `recover_throughput` of baseline
+    recover_throughput: float = 0.95
+    survivor_goodput_min: float | None = None  # other groups' tokens/s during a fault ÷ baseline
+    survivor_p99_tpot_max_increase: float | None = None  # e.g. 0.2 = at most +20 %
+    group_failures_max: int | None = None  # failures the run may cause (0 for a no-crash run)
+    dispatch_within_budget: bool = False  # every rank's received rows ≤ its admission budget
+
+
+@dataclass
+class Scenario:
+    name: str
+    path: Path | None = None
+    description: str = ""
+    server: ServerSpec | None = None
+    load: LoadSpec = field(default_factory=LoadSpec)
+    faults: list[Fault] = field(default_factory=list)
+    goals: Goals = field(default_factory=Goals)
+
+
+def _build(cls: type, raw: Any, where: str) -> Any:
+    if not isinstance(raw, dict):
+        raise ScenarioError(f"{where}: expected a table")
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(raw) - set(known))
+    if unknown:
+        raise ScenarioError(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(known)})")
+    for key, value in raw.items():
+        raw[key] = _typed(str(known[key].type), value, f"{where}.{key}")
+    try:
+        return cls(**raw)
+    except TypeError as e:
+        raise ScenarioError(f"{where}: {e}") from None
+
+
+def _typed(want: str, value: Any, where: str) -> Any:
+    """Checks a value against its field's annotation (as written: `int | None`, `list[str]`...)."""
+    if value is None and "None" in want:
+        return value
+    ok = {
+        "bool": isinstance(value, bool),
+        "int": isinstance(value, int) and not isinstance(value, bool),
+        "float": isinstance(value, (int, float)) and not isinstance(value, bool),
+        "str": isinstance(value, str),
+        "list": isinstance(value, list),
+    }
+    base = want.split(" | ")[0].split("[")[0]
+    if not ok.get(base, True):
+        raise ScenarioError(f"{where}: expected {want}, got {value!r}")
+    return float(value) if base == "float" else value
+
+
+def parse(raw: dict[str, Any], path: Path | None = None) -> Scenario:
+    where = str(path) if path else "scenario"
+    raw = dict(raw)
+    allowed = {"name", "description", "server", "load", "faults", "goals"}
+    unknown = sorted(set(raw) - allowed)
+    if unknown:
+        raise ScenarioError(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(allowed)})")
+    name = raw.get("name") or (path.stem if path else "")
+    if not isinstance(name, str) or not name:
+        raise ScenarioError(f"{where}: name must be a non-empty string")
+    server = None
+    if "server" in raw:
+        server = _build(ServerSpec, raw["server"], f"{where}: [server]")
+        if not all(isinstance(a, str) for a in server.args):
+            raise ScenarioError(f"{where}: [server].args must be a list of strings")
+    load = _build(LoadSpec, raw.get("load", {}), f"{where}: [load]")
+    goals = _build(Goals, raw.get("goals", {}), f"{where}: [goals]")
+    faults = [
+        _build(Fault, f, f"{where}: [[faults]] #{i + 1}")
+        for i, f in enumerate(raw.get("faults", []))
+    ]
+    sc = Scenario(name, path, str(raw.get("description", "")), server, load, faults, goals)
+    validate(sc, where)
+    return sc
+
+
+def validate(sc: Scenario, where: str) -> None:
+    ld = sc.load
+    for key in ("concurrency", "prompt_tokens", "max_tokens", "distinct_prompts"):
+        if getattr(ld, key) < 1:
+            raise ScenarioError(f"{where}: [load].{key} must be at least 1")
+    if not 0 <= ld.warmup_s < ld.duration_s:
+        raise ScenarioError(f"{where}: [load].warmup_s must be in [0, duration_s)")
+    if not 0 <= ld.ramp_s <= ld.warmup_s:
+        raise ScenarioError(f"{where}: [load].ramp_s must be in [0, warmup_s]")
+    last = -1.0
+    for i, f in enumerate(sc.faults):
+        at = f"{where}: [[faults]] #{i + 1}"
+        if f.action not in FAULT_ACTIONS:
+            raise ScenarioError(f"{at}: action must be one of {', '.join(FAULT_ACTIONS)}")
+        if not ld.warmup_s <= f.at_s < ld.duration_s:
+            raise ScenarioError(f"{at}: at_s must be in [warmup_s, duration_s)")
+        if f.at_s < last:
+            raise ScenarioError(f"{at}: faults must be listed in time order")
+        last = f.at_s
+        if f.action in SIGNAL_ACTIONS + ("slow_rank",) and f.rank is None:
+            raise ScenarioError(f"{at}: {f.action} needs rank")
+        if f.action == "route_skew" and f.expert is None:
+            raise ScenarioError(f"{at}: route_skew needs expert")
+        if f.action == "slow_rank" and f.delay_s is None:
+            raise ScenarioError(f"{at}: slow_rank needs delay_s")
+    if not 0 < sc.goals.recover_throughput <= 1:
+        raise ScenarioError(f"{where}: [goals].recover_throughput must be in (0, 1]")
+
+
+def load_scenario(path: str | Path) -> Scenario:
+    p = Path(path)
+    try:
+        raw = tomllib.loads(p.read_text())
+    except OSError as e:
+        raise ScenarioError(f"{p}: cannot read: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ScenarioError(f"{p}: not valid TOML: {e}") from None
+    return parse(raw, p)

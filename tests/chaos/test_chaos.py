@@ -1,0 +1,217 @@
+"""`safeserve chaos`: scenarios are checked before anything runs, a run's report counts what
+really happened (a real server, real signals), and a fault that did nothing fails the run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from safeserve.chaos.load import RequestRecord
+from safeserve.chaos.observer import Observer, Sample, parse_metrics
+from safeserve.chaos.report import outcome, p99, request_summary
+from safeserve.chaos.scenario import ScenarioError, load_scenario, parse
+
+ROOT = Path(__file__).resolve().parents[2]
+GROUPS = [
+    "--num-groups",
+    "2",
+    "--tp-size",
+    "2",
+    "--moe-a2a-backend",
+    "alltoall",
+    "--max-model-len",
+    "512",
+    "--max-running-requests",
+    "4",
+    "--watchdog-stall-timeout",
+    "3",
+    "--restart-backoff-s",
+    "0.5",
+]
+
+
+def _chaos(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "safeserve.cli", "chaos", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ({"load": {"concurrency": 0}}, "[load].concurrency must be at least 1"),
+        ({"load": {"concurrency": "8"}}, "expected int"),
+        ({"load": {"max_tokens": 2.5}}, "expected int"),
+        ({"load": {"warmup_s": 40, "duration_s": 30}}, "warmup_s must be in"),
+        ({"load": {"ramp_s": 5, "warmup_s": 3}}, "ramp_s must be in"),
+        ({"faults": [{"at_s": 5, "action": "explode"}]}, "action must be one of"),
+        ({"faults": [{"at_s": 5, "action": "sigkill"}]}, "sigkill needs rank"),
+        ({"faults": [{"at_s": 5, "action": "route_skew"}]}, "route_skew needs expert"),
+        ({"faults": [{"at_s": 99, "action": "drain"}]}, "at_s must be in"),
+        (
+            {"faults": [{"at_s": 9, "action": "drain"}, {"at_s": 5, "action": "undrain"}]},
+            "in time order",
+        ),
+        ({"goals": {"lost": 0}}, "unknown key 'lost'"),
+        ({"boom": 1}, "unknown key 'boom'"),
+        ({"goals": {"recover_throughput": 1.5}}, "recover_throughput"),
+    ],
+)
+def test_bad_scenarios_are_refused_with_the_field_named(raw: dict, message: str) -> None:
+    with pytest.raises(ScenarioError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        parse({"name": "x", "load": {"duration_s": 30, **raw.pop("load", {})}, **raw})
+
+
+def test_every_shipped_scenario_parses_and_its_server_args_are_valid() -> None:
+    files = sorted((ROOT / "chaos").glob("*.toml"))
+    assert len(files) >= 3
+    r = _chaos("list", "-o", "json", timeout=60)
+    assert r.returncode == 0, r.stderr
+    listed = json.loads(r.stdout)
+    assert sorted(x["name"] for x in listed) == sorted(load_scenario(f).name for f in files)
+
+
+def test_run_refuses_a_bad_scenario_before_starting_anything(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text('name = "bad"\n[server]\nargs = ["--tp-size", "3", "--ep-size", "2"]\n')
+    r = _chaos("run", str(bad), timeout=60)
+    assert r.returncode == 2
+    assert r.stderr.count("\n") == 1 and "safeserve chaos: error:" in r.stderr
+    missing = _chaos("run", str(tmp_path / "nope.toml"), timeout=60)
+    assert missing.returncode == 2 and "cannot read" in missing.stderr
+    notoml = tmp_path / "x.toml"
+    notoml.write_text("name = \n")
+    assert _chaos("run", str(notoml), timeout=60).returncode == 2
+
+
+def _rec(i: int, ids: list[int], **kw: object) -> RequestRecord:
+    r = RequestRecord(i, 0, 0.0, group=0, status=200, token_ids=ids, finish_reason="length")
+    r.times = [0.1 * k for k in range(len(ids))]
+    for k, v in kw.items():
+        setattr(r, k, v)
+    return r
+
+
+def test_outcomes_separate_told_failures_from_silent_losses() -> None:
+    good = _rec(0, [1, 2, 3])
+    told = _rec(1, [1], error="HTTP 503", finish_reason=None)
+    cut = _rec(2, [1, 2], broken="RemoteProtocolError", finish_reason=None)
+    short = _rec(3, [1, 2])  # "finished" with a token missing: lost, not succeeded
+    odd = _rec(4, [1, 2, 4])  # all tokens, but not the prompt's usual output
+    assert [outcome(r, 3) for r in (good, told, cut, short, odd)] == [
+        "succeeded",
+        "failed",
+        "lost",
+        "lost",
+        "succeeded",
+    ]
+    s = request_summary([good, told, cut, short, odd, _rec(5, [1, 2, 3])], 3)
+    assert (s["sent"], s["succeeded"], s["failed"], s["lost"]) == (6, 3, 1, 2)
+    assert s["consistent"] == pytest.approx(2 / 3)
+    assert good.tpot() == pytest.approx(0.1)
+    assert p99([float(x) for x in range(1, 101)]) == 99.0
+    assert p99([]) is None
+
+
+def test_observer_rates_come_from_the_per_group_counter() -> None:
+    text = (
+        'safeserve:generation_tokens_total{group="0"} 100.0\n'
+        'safeserve:generation_tokens_total{group="1"} 50.0\n'
+        "safeserve:request_migrations_total 3.0\n"
+    )
+    m = parse_metrics(text)
+    assert m["generation_tokens_total"][(("group", "1"),)] == 50.0
+    obs = Observer("u", "a")
+    obs.samples = [Sample(0.0, {0: 0.0}, []), Sample(2.0, {0: 100.0}, [])]
+    assert obs.rate(0, 0.0, 2.0) == 50.0
+    assert obs.tokens_at(0, 1.0) == 50.0  # linear between samples
+    assert obs.rate(0, 0.0, 3.0) is None  # past the last sample: unknown, not zero
+    assert obs.rate(1, 0.0, 2.0) is None
+
+
+NO_FAULT_INJECTION = """
+name = "skew-without-fault-injection"
+[load]
+concurrency = 2
+prompt_tokens = 8
+max_tokens = 4
+duration_s = 4
+warmup_s = 1
+[[faults]]
+at_s = 1
+action = "route_skew"
+expert = 0
+"""
+
+KILL = """
+name = "kill-one-rank"
+[load]
+concurrency = 8
+prompt_tokens = 16
+max_tokens = 16
+duration_s = 45
+warmup_s = 4
+ramp_s = 2
+[[faults]]
+at_s = 10
+action = "sigkill"
+group = 0
+rank = 1
+[goals]
+lost_max = 0
+failed_max = 0
+consistent_min = 1.0
+detect_kill_max_s = 2.0
+recover_max_s = 60.0
+recover_throughput = 0.5
+"""
+
+
+def test_kill_run_reports_detection_recovery_and_no_loss(server_factory, tmp_path: Path) -> None:
+    s = server_factory(GROUPS)
+    common = ["--url", s.url, "--admin-url", s.admin_url]
+    # A fault the server cannot take (no --enable-fault-injection) must fail the run.
+    nofi = tmp_path / "nofi.toml"
+    nofi.write_text(NO_FAULT_INJECTION)
+    r = _chaos("run", str(nofi), *common, "--json", str(tmp_path / "nofi.json"))
+    assert r.returncode == 1, r.stdout + r.stderr
+    rep = json.loads((tmp_path / "nofi.json").read_text())
+    assert rep["faults"][0]["verified"] is False and "HTTP 404" in rep["faults"][0]["detail"]
+    assert [g["goal"] for g in rep["goals"] if not g["ok"]] == ["fault took effect route_skew@1s"]
+    pids_before = {g["id"]: [r["pid"] for r in g["ranks"]] for g in _groups(s)}
+
+    kill = tmp_path / "kill.toml"
+    kill.write_text(KILL)
+    r = _chaos("run", str(kill), *common, "--json", str(tmp_path / "kill.json"))
+    rep = json.loads((tmp_path / "kill.json").read_text())
+    assert r.returncode == 0, r.stdout + r.stderr
+    req = rep["requests"]
+    assert req["sent"] >= 16 and req["succeeded"] == req["sent"]
+    assert req["lost"] == req["failed"] == 0 and req["consistent"] == 1.0
+    (f,) = rep["faults"]
+    assert f["verified"] and f["pid"] == pids_before[0][1]
+    assert f["verdict"] == "dead" and 0 <= f["detect_s"] <= 2.0
+    assert f["failed_s"] <= f["ready_s"] <= f["recovered_s"] <= 60.0
+    assert rep["server"]["group_failures"] == {"0": 1, "1": 0}
+    assert rep["server"]["group_restarts"] == {"0": 1, "1": 0}
+    assert rep["server"]["migrations"] >= 1 and rep["server"]["lost"] == 0
+    assert rep["baseline"]["1"]["tokens_per_s"] > 0
+    assert "1" in f["survivors"] and f["survivors"]["1"]["tokens_per_s"] > 0
+    # The killed rank is really gone and group 0 runs a new incarnation.
+    after = {g["id"]: [r["pid"] for r in g["ranks"]] for g in _groups(s)}
+    assert pids_before[0][1] not in after[0] and after[1] == pids_before[1]
+    assert "PASS" in r.stdout and "detect" in r.stdout
+
+
+def _groups(server) -> list[dict]:  # type: ignore[no-untyped-def]
+    import httpx
+
+    return httpx.get(server.admin_url + "/admin/groups").json()["groups"]
