@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call on an H200: the GPU correctness tests of the engine's CUDA path (decode
-# attention, fused MoE subset incl. float32, engine on CUDA vs CPU, CUDA graphs), then the
-# Qwen3-30B-A3B bench (dummy weights) with the transformers peer. Results land in $OUT.
+# attention, fused MoE subset incl. float32, fused norm/RoPE kernels, engine on CUDA vs CPU, CUDA
+# graphs), then the Qwen3-30B-A3B bench (dummy weights) with the transformers peer. Results land
+# in $OUT.
 set -u -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/safeserve-out}
@@ -10,8 +11,8 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv 
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$OUT/gpu.txt"
 timeout "${TEST_TIMEOUT:-170}" python3 -m pytest -q -p no:cacheprovider \
   tests/kernels/test_paged_attention.py tests/kernels/test_engine_kernels_gpu.py \
-  tests/kernels/test_fused_moe.py \
-  -k "not interpreter and (paged or engine or E60 or E37 or E16 or replay or topk or dropped)" \
+  tests/kernels/test_fused_moe.py tests/kernels/test_norm_rope.py \
+  -k "not interpreter and (paged or engine or E60 or E37 or E16 or replay or topk or dropped or norm)" \
   2>&1 | tee "$OUT/pytest.log"
 timeout "${BENCH_TIMEOUT:-300}" python3 -m safeserve.cli bench \
   --model kernels/configs/qwen3-30b-a3b --load-format dummy --device cuda --dtype bfloat16 \

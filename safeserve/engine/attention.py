@@ -5,10 +5,13 @@ token at position `p` of a request lives in slot `block_table[p // block_size] *
 p % block_size`. Each step writes the new tokens' keys/values into their slots, then every
 sequence attends over slots `0 .. context_len-1` read back through its block table.
 
-Two paths: on CUDA a step whose sequences all decode one token runs the Triton decode kernel
-straight over the block tables (`safeserve.kernels.paged_attention`, no per-sequence loop, CUDA
-graph safe); everything else (CPU, prefill chunks, mixed steps) runs the torch path below, one
-SDPA call per sequence, which is also the kernel's test oracle.
+Two paths: on CUDA the sequences that decode one token run the Triton decode kernel straight over
+the block tables (`safeserve.kernels.paged_attention`, no per-sequence loop, CUDA graph safe):
+all of a pure decode step, and the decoding rows of a mixed step (one launch for them, however
+many); prefill chunks (and everything on CPU) run the torch path below, one SDPA call per
+sequence, which is also the kernel's test oracle. The model stores this step's
+keys/values itself (fused with q/k norm and RoPE: `safeserve.kernels.norm_rope`) and calls
+`attend`; `paged_attention` is store-then-attend for callers holding k and v.
 """
 
 from __future__ import annotations
@@ -40,6 +43,9 @@ class AttentionMetadata:
     block_tables: torch.Tensor | None = None
     context_lens: torch.Tensor | None = None
     block_size: int = 0
+    # Mixed step (CUDA): the rows that decode one token, and their decode-kernel metadata.
+    decode_rows: torch.Tensor | None = None
+    decode: AttentionMetadata | None = None
 
     @property
     def is_decode_kernel(self) -> bool:
@@ -52,13 +58,30 @@ class AttentionMetadata:
         block_tables: list[list[int]],
         block_size: int,
         device: torch.device | str,
+        use_kernels: bool = True,
     ) -> AttentionMetadata:
-        if _decode_kernel_applies(query_lens, device):
+        """`use_kernels=False` forces the torch path (the kernels' oracle in tests)."""
+        kernels = use_kernels and _decode_kernel_applies(query_lens, device)
+        if kernels and all(n == 1 for n in query_lens):
             return AttentionMetadata.build_decode(context_lens, block_tables, block_size, device)
         seqs: list[SeqAttention] = []
-        slot_chunks: list[torch.Tensor] = []
+        slot_chunks: list[torch.Tensor | list[int]] = []  # device slots, or host slots of decodes
+        dec_rows: list[int] = []
+        dec_ctx: list[int] = []
+        dec_tables: list[list[int]] = []
         start = 0
         for q_len, ctx, table in zip(query_lens, context_lens, block_tables, strict=True):
+            if kernels and q_len == 1:
+                dec_rows.append(start)
+                dec_ctx.append(ctx)
+                dec_tables.append(table)
+                slot = table[(ctx - 1) // block_size] * block_size + (ctx - 1) % block_size
+                if slot_chunks and isinstance(slot_chunks[-1], list):
+                    slot_chunks[-1].append(slot)
+                else:
+                    slot_chunks.append([slot])
+                start += 1
+                continue
             n_blocks = (ctx + block_size - 1) // block_size
             blocks = torch.tensor(table[:n_blocks], dtype=torch.int64)
             slots = (blocks[:, None] * block_size + torch.arange(block_size)[None, :]).reshape(-1)
@@ -66,12 +89,18 @@ class AttentionMetadata:
             seqs.append(SeqAttention(start, q_len, ctx, slots))
             slot_chunks.append(slots[ctx - q_len :])
             start += q_len
+        chunks = [
+            torch.tensor(c, dtype=torch.int64).to(device) if isinstance(c, list) else c
+            for c in slot_chunks
+        ]
         slot_mapping = (
-            torch.cat(slot_chunks)
-            if slot_chunks
-            else torch.empty(0, dtype=torch.int64, device=device)
+            torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.int64, device=device)
         )
-        return AttentionMetadata(slot_mapping, seqs)
+        meta = AttentionMetadata(slot_mapping, seqs)
+        if dec_rows:
+            meta.decode_rows = torch.tensor(dec_rows, dtype=torch.int64).to(device)
+            meta.decode = AttentionMetadata.build_decode(dec_ctx, dec_tables, block_size, device)
+        return meta
 
     @staticmethod
     def build_decode(
@@ -102,12 +131,8 @@ class AttentionMetadata:
 
 
 def _decode_kernel_applies(query_lens: list[int], device: torch.device | str) -> bool:
-    return (
-        pa.HAS_TRITON
-        and torch.device(device).type == "cuda"
-        and len(query_lens) > 0
-        and all(n == 1 for n in query_lens)
-    )
+    """Some sequence decodes one token, on CUDA with Triton."""
+    return pa.HAS_TRITON and torch.device(device).type == "cuda" and 1 in query_lens
 
 
 def paged_attention(
@@ -121,16 +146,41 @@ def paged_attention(
     """q [T, Hq, D], k/v [T, Hkv, D] of this step's tokens. Returns [T, Hq, D]."""
     k_cache, v_cache = kv_cache
     if meta.is_decode_kernel:
-        assert meta.block_tables is not None and meta.context_lens is not None
         pa.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    else:
+        k_cache[meta.slot_mapping] = k.to(k_cache.dtype)
+        v_cache[meta.slot_mapping] = v.to(v_cache.dtype)
+    return attend(q, kv_cache, meta, scale)
+
+
+def attend(
+    q: torch.Tensor,
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of q [T, Hq, D] over the cache, this step's keys/values already stored."""
+    k_cache, v_cache = kv_cache
+    if meta.is_decode_kernel:
+        assert meta.block_tables is not None and meta.context_lens is not None
         return pa.paged_decode(
             q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.block_size, scale
         )
-    k_cache[meta.slot_mapping] = k.to(k_cache.dtype)
-    v_cache[meta.slot_mapping] = v.to(v_cache.dtype)
-    num_heads, num_kv_heads = q.shape[1], k.shape[1]
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[1]
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)
+    if meta.decode is not None and meta.decode_rows is not None:
+        d = meta.decode
+        assert d.block_tables is not None and d.context_lens is not None
+        out[meta.decode_rows] = pa.paged_decode(
+            q[meta.decode_rows],
+            k_cache,
+            v_cache,
+            d.block_tables,
+            d.context_lens,
+            d.block_size,
+            scale,
+        )
     for s in meta.seqs:
         rows = slice(s.query_start, s.query_start + s.query_len)
         qs = q[rows].transpose(0, 1)  # [Hq, q, D]

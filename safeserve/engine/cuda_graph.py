@@ -5,7 +5,8 @@ attention, router, two grouped GEMMs, ...); replayed as one graph, host launch o
 out. Each bucket's graph reads its inputs from static buffers: a step of `n` sequences copies its
 token ids, positions, slots, context lengths and block tables into the first `n` rows of the
 smallest bucket that holds it; the padding rows have context 0 and slot -1, so they write no KV
-and attend to nothing. Everything inside the forward must be capture-safe (no host sync): on
+and attend to nothing. The graph also computes the logits and their argmax, so a greedy step
+costs one replay and one small device-to-host copy. Everything inside the forward must be capture-safe (no host sync): on
 CUDA that is the Triton fused MoE, top-k and decode-attention path.
 """
 
@@ -34,6 +35,8 @@ def graph_buckets(max_bs: int) -> list[int]:
 
 
 class DecodeCudaGraphs:
+    """Graphs of the whole decode step: forward, logits and the greedy argmax of every row."""
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -48,14 +51,22 @@ class DecodeCudaGraphs:
         self.block_size = block_size
         self.buckets = graph_buckets(max_bs)
         self.max_bs = max_bs
-        width = (max_model_len + block_size - 1) // block_size
-        self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(max_bs, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((max_bs,), -1, dtype=torch.int64, device=device)
-        self.block_tables = torch.zeros(max_bs, width, dtype=torch.int32, device=device)
-        self.context_lens = torch.zeros(max_bs, dtype=torch.int32, device=device)
+        self.width = (max_model_len + block_size - 1) // block_size
+        # Every input in one int32 buffer (token ids, positions, slots, context lengths, block
+        # tables), mirrored in pinned host memory: a step uploads it in two copies.
+        size = max_bs * (_SMALL_ROWS + self.width)
+        self.static = torch.zeros(size, dtype=torch.int32, device=device)
+        self.host = torch.zeros(size, dtype=torch.int32, pin_memory=True)
+        self.host_np = self.host.numpy()
+        self.input_ids = self.static[0:max_bs]
+        self.positions = self.static[max_bs : 2 * max_bs]
+        self.slot_mapping = self.static[2 * max_bs : 3 * max_bs]
+        self.context_lens = self.static[3 * max_bs : 4 * max_bs]
+        self.block_tables = self.static[_SMALL_ROWS * max_bs :].view(max_bs, self.width)
+        self.slot_mapping.fill_(-1)
+        self.uploaded = torch.cuda.Event()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _meta(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -66,8 +77,12 @@ class DecodeCudaGraphs:
             block_size=self.block_size,
         )
 
-    def _forward(self, bs: int) -> torch.Tensor:
-        return self.model(self.input_ids[:bs], self.positions[:bs], self._meta(bs), self.kv_layers)
+    def _forward(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self.model(
+            self.input_ids[:bs], self.positions[:bs], self._meta(bs), self.kv_layers
+        )
+        logits = self.model.compute_logits(hidden)
+        return logits, torch.argmax(logits, dim=-1)
 
     def capture(self) -> None:
         """Largest bucket first, all sharing one memory pool. Takes seconds (kernel compiles)."""
@@ -99,39 +114,45 @@ class DecodeCudaGraphs:
     def can_run(self, seqs: list[SeqPlan]) -> bool:
         if not seqs or len(seqs) > self.max_bs:
             return False
-        width = self.block_tables.shape[1]
+        width = self.width
         return all(
             len(s.token_ids) == 1 and (s.end + self.block_size - 1) // self.block_size <= width
             for s in seqs
         )
 
-    def run(self, seqs: list[SeqPlan]) -> torch.Tensor:
-        """Final hidden states [n, H] of one decode step of `seqs` (check `can_run` first)."""
+    def run(self, seqs: list[SeqPlan]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step of `seqs` (check `can_run` first): float32 logits [n, V] and their
+        argmax [n], views of the graph's outputs (valid until the next replay)."""
         n = len(seqs)
         bs = self.bucket_for(n)
         assert bs is not None
-        bsz = self.block_size
-        ids, pos, slots, ctx, rows = [], [], [], [], []
-        width = max((s.end + bsz - 1) // bsz for s in seqs)
-        for s in seqs:
+        bsz, max_bs, width = self.block_size, self.max_bs, self.width
+        host = self.host_np
+        tables = host[_SMALL_ROWS * max_bs :].reshape(max_bs, width)
+        # The pinned buffer is refilled only once its last upload has left (a step normally
+        # ends in a host sync for its sampled tokens, so this rarely waits).
+        self.uploaded.synchronize()
+        for i, s in enumerate(seqs):
             p = s.start
-            ids.append(s.token_ids[0])
-            pos.append(p)
-            slots.append(s.block_table[p // bsz] * bsz + p % bsz)
-            ctx.append(s.end)
-            table = s.block_table[:width]
-            rows.append(table + [0] * (width - len(table)))
-        pad = bs - n
-        host = torch.tensor(ids + pos + slots, dtype=torch.int64)
-        self.input_ids[:n].copy_(host[:n], non_blocking=True)
-        self.positions[:n].copy_(host[n : 2 * n], non_blocking=True)
-        self.slot_mapping[:n].copy_(host[2 * n : 3 * n], non_blocking=True)
-        if pad:
-            self.context_lens[n:bs].zero_()
-            self.slot_mapping[n:bs].fill_(-1)
-        self.context_lens[:n].copy_(torch.tensor(ctx, dtype=torch.int32), non_blocking=True)
-        self.block_tables[:n, :width].copy_(
-            torch.tensor(rows, dtype=torch.int32), non_blocking=True
-        )
+            host[i] = s.token_ids[0]
+            host[max_bs + i] = p
+            host[2 * max_bs + i] = s.block_table[p // bsz] * bsz + p % bsz
+            host[3 * max_bs + i] = s.end
+            w = (s.end + bsz - 1) // bsz
+            tables[i, :w] = s.block_table[:w]
+        # Padding rows: context 0 and slot -1 (no KV written, nothing attended).
+        host[2 * max_bs + n : 3 * max_bs] = -1
+        host[3 * max_bs + n : 4 * max_bs] = 0
+        small = _SMALL_ROWS * max_bs
+        self.static[:small].copy_(self.host[:small], non_blocking=True)
+        # Columns past a row's context are never read, so whole rows of the first n go up.
+        rows = slice(small, small + n * width)
+        self.static[rows].copy_(self.host[rows], non_blocking=True)
+        self.uploaded.record()
         self.graphs[bs].replay()
-        return self.outputs[bs][:n]
+        logits, tokens = self.outputs[bs]
+        return logits[:n], tokens[:n]
+
+
+# ids, positions, slots, context lengths: one row of max_bs int32 each
+_SMALL_ROWS = 4

@@ -90,6 +90,7 @@ class ModelRunner:
         )
         self.buffers = self._setup_admission()
         self.faults = Faults()
+        self.startup_peak_bytes: int | None = None  # set by begin_serving()
         self.last_own_step_s = 0.0  # this rank's step time outside collectives
         self.cuda_graphs: DecodeCudaGraphs | None = None
         if capture_cuda_graphs:
@@ -157,12 +158,21 @@ class ModelRunner:
             )
         return info
 
+    def begin_serving(self) -> None:
+        """Called when the group first idles after start-up: from now on `memory_peak_bytes`
+        is the peak while serving (start-up's profiling and capture peak is kept apart)."""
+        if self.startup_peak_bytes is None and self.device.type == "cuda":
+            self.startup_peak_bytes = torch.cuda.max_memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+
     def stats(self) -> dict:
         """What this rank's heartbeats carry besides (step, phase)."""
         out: dict = {"own_step_s": self.last_own_step_s, "device": str(self.device)}
         if self.device.type == "cuda":
             out["memory_bytes"] = torch.cuda.memory_allocated(self.device)
             out["memory_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
+            if self.startup_peak_bytes is not None:
+                out["memory_startup_peak_bytes"] = self.startup_peak_bytes
         if self.buffers is not None:
             st = self.buffers.stats
             out.update(
@@ -225,7 +235,7 @@ class ModelRunner:
         delay = self.faults.delay_s.get(self.layout.rank, 0.0)
         if delay > 0:
             time.sleep(delay)  # fault injection: a slow rank
-        logits, sampling = self.run_plan(plan)
+        logits, greedy, sampling = self._run(plan)
         tokens: list[int] = []
         if logits is not None:
             self.on_phase(plan.step, "sample")
@@ -234,12 +244,21 @@ class ModelRunner:
                 [s.params for s in sampling],
                 [s.output_index for s in sampling],
                 self.args.seed,
+                greedy_tokens=greedy,
             )
         self.last_own_step_s = (time.perf_counter() - start) - (self.comm.wait_s - waited)
         return tokens
 
     def run_plan(self, plan: StepPlan) -> tuple[torch.Tensor | None, list[SeqPlan]]:
         """The forward pass of this rank's part; logits of its sampling rows when it samples."""
+        logits, _, sampling = self._run(plan)
+        return logits, sampling
+
+    def _run(
+        self, plan: StepPlan
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, list[SeqPlan]]:
+        """(logits of the sampling rows, their argmax where a CUDA graph computed it, the
+        sampling sequences); logits None where this rank does not sample."""
         self.step_id = plan.step
         if self.layout.dp_attention:
             mine = plan.per_rank[self.layout.rank]
@@ -252,21 +271,25 @@ class ModelRunner:
         if self.dispatcher is not None:
             self.dispatcher.begin_step(StepTokens(sizes, replicated=not self.layout.dp_attention))
         self.on_phase(plan.step, "attention")
-        hidden, sample_rows = self._forward(mine)
         sampling = [s for s in mine if s.params is not None]
+        graphs = self.cuda_graphs
+        # A captured graph ignores fault hooks set after capture: faulted steps run eagerly.
+        if graphs is not None and graphs.can_run(mine) and not self._faults_active():
+            logits, greedy = graphs.run(mine)  # single-rank groups only: this rank samples
+            if len(sampling) < len(mine):
+                rows = [i for i, s in enumerate(mine) if s.params is not None]
+                index = torch.tensor(rows, dtype=torch.int64, device=self.device)
+                logits, greedy = logits[index], greedy[index]
+            return (logits, greedy, sampling) if sampling else (None, None, sampling)
+        hidden, sample_rows = self._forward_eager(mine)
         if not samples_here or not sampling:
-            return None, sampling
-        return self.model.compute_logits(hidden[sample_rows]), sampling
+            return None, None, sampling
+        return self.model.compute_logits(hidden[sample_rows]), None, sampling
 
     def _faults_active(self) -> bool:
         return getattr(self.faults, "route_skew_expert", None) is not None
 
-    def _forward(self, seqs: list[SeqPlan]) -> tuple[torch.Tensor, torch.Tensor]:
-        graphs = self.cuda_graphs
-        # A captured graph ignores fault hooks set after capture: faulted steps run eagerly.
-        if graphs is not None and graphs.can_run(seqs) and not self._faults_active():
-            rows = [i for i, s in enumerate(seqs) if s.params is not None]
-            return graphs.run(seqs), torch.tensor(rows, dtype=torch.int64, device=self.device)
+    def _forward_eager(self, seqs: list[SeqPlan]) -> tuple[torch.Tensor, torch.Tensor]:
         ids: list[int] = []
         positions: list[int] = []
         sample_rows: list[int] = []

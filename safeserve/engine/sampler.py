@@ -18,9 +18,13 @@ def sample(
     params: list[SamplingParams],
     output_positions: list[int],
     default_seed: int = 0,
+    greedy_tokens: torch.Tensor | None = None,
 ) -> list[int]:
-    """logits [B, V] float32; returns one token id per row."""
-    tokens = torch.argmax(logits, dim=-1).tolist()
+    """logits [B, V] float32; returns one token id per row. `greedy_tokens` [B]: the rows'
+    argmax when already computed (a decode CUDA graph does), to skip computing it again."""
+    if greedy_tokens is None:
+        greedy_tokens = torch.argmax(logits, dim=-1)
+    tokens = greedy_tokens.tolist()
     for row, (p, pos) in enumerate(zip(params, output_positions, strict=True)):
         if p.greedy:
             continue

@@ -15,6 +15,9 @@ Two launch plans, picked per token count by the tuned config (`"mode"`):
   program, so the top-k sum happens in registers. Two launches in all. Optional ``"pdl": true``
   launches the down kernel as a programmatic dependent of gate/up and has it prefetch its weights
   into L2 first; measured slower on an H200 (kernels/RESULTS.md), so no shipped config uses it.
+  ``"gemv": true`` in ``gemm2`` runs the down projection as fp32 FMAs instead of a dot tile
+  (one row per pair needs no tensor cores), which allows BLOCK_N of 4 or 8: more programs
+  stream a decode token's down weights.
 
 Every grid depends only on the shapes (never on the routing), so a whole call can be captured in
 a CUDA graph. Tile configs are data: ``configs/E{E}_H{H}_I{I}_{device}.json`` maps a token
@@ -618,6 +621,66 @@ if HAS_TRITON:
         o_ptrs = out_ptr + pid_t.to(tl.int64) * stride_ot + offs_n
         tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=offs_n < N)
 
+    @triton.jit
+    def _down_gemv_kernel(
+        a_ptr,
+        w_ptr,
+        out_ptr,
+        ids_ptr,
+        num_tokens,
+        N,
+        K,
+        stride_am,
+        stride_we,
+        stride_wn,
+        stride_ot,
+        TOP_K: tl.constexpr,
+        K_PAD: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        EVEN_K: tl.constexpr,
+    ):
+        """The pair plan's down projection without tensor cores: out[t, n] = sum over valid
+        slots of a[t*k+s] . down[e_s][n] as fp32 FMAs. With one row per pair a dot tile wastes
+        15 of its 16 rows and needs BLOCK_N >= 16; here BLOCK_N may be 4 or 8, so a decode
+        token's down weights are streamed by many more programs."""
+        pid = tl.program_id(0)
+        pid_t = pid % num_tokens
+        pid_n = pid // num_tokens
+        slots = tl.arange(0, K_PAD)
+        slot_ids = tl.load(ids_ptr + pid_t * TOP_K + slots, mask=slots < TOP_K, other=-1).to(
+            tl.int32
+        )
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_nw = offs_n % N
+        offs_k = tl.arange(0, BLOCK_K)
+        num_k = tl.cdiv(K, BLOCK_K)
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for it in range(0, TOP_K * num_k):
+            s = it // num_k
+            k0 = (it % num_k) * BLOCK_K
+            expert = tl.sum(tl.where(slots == s, slot_ids, 0), axis=0)
+            ok = expert >= 0
+            pair = (pid_t * TOP_K + s).to(tl.int64)
+            a_ptrs = a_ptr + pair * stride_am + k0 + offs_k
+            b_ptrs = (
+                w_ptr
+                + tl.maximum(expert, 0).to(tl.int64) * stride_we
+                + offs_nw[:, None] * stride_wn
+                + (k0 + offs_k)[None, :]
+            )
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=ok, other=0.0)
+                b = tl.load(b_ptrs, mask=ok, other=0.0)
+            else:
+                k_ok = (k0 + offs_k) < K
+                a = tl.load(a_ptrs, mask=k_ok & ok, other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok[None, :] & ok, other=0.0)
+            acc += b.to(tl.float32) * a.to(tl.float32)[None, :]
+        res = tl.sum(acc, axis=1)
+        o_ptrs = out_ptr + pid_t.to(tl.int64) * stride_ot + offs_n
+        tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=offs_n < N)
+
     @triton.jit(do_not_specialize=["num_tokens"])
     def _sum_topk_kernel(
         y_ptr,
@@ -651,6 +714,7 @@ if HAS_TRITON:
         logits_ptr,
         w_ptr,
         ids_ptr,
+        map_ptr,
         num_tokens,
         num_experts,
         stride_lt,
@@ -659,6 +723,7 @@ if HAS_TRITON:
         E_PAD: tl.constexpr,
         BLOCK_T: tl.constexpr,
         RENORMALIZE: tl.constexpr,
+        HAS_MAP: tl.constexpr,
     ):
         rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         cols = tl.arange(0, E_PAD)
@@ -687,8 +752,10 @@ if HAS_TRITON:
             top_w = top_w / tl.sum(top_w, axis=1)[:, None]
         offs = rows[:, None].to(tl.int64) * TOP_K + kcols[None, :]
         mask = row_ok[:, None] & (kcols[None, :] < TOP_K)
-        tl.store(w_ptr + offs, top_w, mask=mask)
-        tl.store(ids_ptr + offs, top_i, mask=mask)
+        if HAS_MAP:  # logical -> physical expert id
+            top_i = tl.load(map_ptr + top_i, mask=mask, other=0)
+        tl.store(w_ptr + offs, top_w.to(w_ptr.dtype.element_ty), mask=mask)
+        tl.store(ids_ptr + offs, top_i.to(ids_ptr.dtype.element_ty), mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -878,6 +945,29 @@ def fused_moe(
         num_stages=g1["num_stages"],
     )
 
+    if pair_mode and g2.get("gemv", False):
+        grid2 = (num_tokens * triton.cdiv(hidden, g2["BLOCK_N"]),)
+        _down_gemv_kernel[grid2](
+            cache,
+            w2,
+            out,
+            ids,
+            num_tokens,
+            hidden,
+            inter,
+            cache.stride(0),
+            w2.stride(0),
+            w2.stride(1),
+            out.stride(0),
+            TOP_K=top_k,
+            K_PAD=next_power_of_2(top_k),
+            BLOCK_N=g2["BLOCK_N"],
+            BLOCK_K=g2["BLOCK_K"],
+            EVEN_K=inter % g2["BLOCK_K"] == 0,
+            num_warps=g2["num_warps"],
+            num_stages=g2["num_stages"],
+        )
+        return out
     if pair_mode:
         grid2 = (num_tokens * triton.cdiv(hidden, g2["BLOCK_N"]),)
         _down_pair_kernel[grid2](
@@ -951,20 +1041,31 @@ def fused_moe(
 
 
 def fused_topk_softmax(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool
+    router_logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    weights_dtype: torch.dtype = torch.float32,
+    expert_map: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over experts in float32, top k, optional renormalisation, in one kernel.
 
-    Returns (weights float32 [T, k], ids int32 [T, k]); reference: `topk_softmax_torch`.
+    Returns (weights [T, k] in `weights_dtype`, ids [T, k]): ids int32, or, with `expert_map`
+    ([E] int64, logical -> physical), the mapped ids as int64, mapped inside the same kernel.
+    Reference: `topk_softmax_torch`.
     """
     if not _use_triton(router_logits):
-        return topk_softmax_torch(router_logits, top_k, renormalize)
+        weights, ids = topk_softmax_torch(router_logits, top_k, renormalize)
+        if expert_map is not None:
+            ids = expert_map[ids.to(torch.int64)]
+        return weights.to(weights_dtype), ids
     num_tokens, num_experts = router_logits.shape
     if top_k > num_experts:
         raise ValueError(f"top_k={top_k} > {num_experts} experts")
     logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
-    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=logits.device)
-    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=logits.device)
+    device = logits.device
+    weights = torch.empty(num_tokens, top_k, dtype=weights_dtype, device=device)
+    ids_dtype = torch.int32 if expert_map is None else expert_map.dtype
+    ids = torch.empty(num_tokens, top_k, dtype=ids_dtype, device=device)
     if num_tokens == 0:
         return weights, ids
     e_pad = next_power_of_2(num_experts)
@@ -973,6 +1074,7 @@ def fused_topk_softmax(
         logits,
         weights,
         ids,
+        expert_map if expert_map is not None else ids,
         num_tokens,
         num_experts,
         logits.stride(0),
@@ -981,6 +1083,8 @@ def fused_topk_softmax(
         E_PAD=e_pad,
         BLOCK_T=block_t,
         RENORMALIZE=renormalize,
-        num_warps=4 if e_pad * block_t <= 2048 else 8,
+        HAS_MAP=expert_map is not None,
+        # A decode step's few rows fit one warp: its reductions then need no shared memory.
+        num_warps=1 if e_pad * block_t <= 256 else (4 if e_pad * block_t <= 2048 else 8),
     )
     return weights, ids

@@ -88,6 +88,8 @@ def build_model(
             layer.mlp.gate.logical_to_physical = torch.arange(cfg.num_experts, device=device)
     if cfg.tie_word_embeddings:
         net.lm_head.weight = net.embed_tokens.weight
+    # Before filling: the per-projection parameters become views of the fused weights.
+    net.fuse_projections()
     specs = shard_specs(cfg, layout)
     params = dict(net.named_parameters())
     missing = set(params) - set(specs) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())

@@ -1,7 +1,9 @@
 """Qwen3-MoE (`model_type: qwen3_moe`) over a paged KV cache.
 
 The numerics follow transformers' implementation (RMSNorm in float32, RoPE computed from float32
-angles, softmax top-k routing in float32) so that float32 logits agree within 1e-4.
+angles, softmax top-k routing in float32) so that float32 logits agree within 1e-4. On CUDA the
+small ops run fused (`safeserve.kernels.norm_rope`: residual add + RMSNorm; q/k norm + RoPE + KV
+store) and q|k|v is one GEMM; the CPU path runs the same math in torch.
 """
 
 from __future__ import annotations
@@ -10,8 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from safeserve.engine.attention import AttentionMetadata, paged_attention
+from safeserve.engine.attention import AttentionMetadata, attend
 from safeserve.engine.parallel import Comm, Layout
+from safeserve.kernels import norm_rope as nr
 from safeserve.model.config import ModelConfig
 from safeserve.model.sharding import dense_split, expert_split, head_split
 from safeserve.moe.dispatch.base import Dispatcher
@@ -25,10 +28,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        return nr.rms_norm(x, self.weight, self.eps)[0]
+
+    def add_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual) in one kernel on CUDA."""
+        return nr.rms_norm(x, self.weight, self.eps, residual)
 
 
 class RotaryEmbedding(nn.Module):
@@ -47,14 +53,23 @@ class RotaryEmbedding(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) for several linears of the same input, so they run as one GEMM.
 
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D]; cos/sin [T, D]."""
-    return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
+    The linears' parameters become views of the fused tensors: loaders and `load_state_dict`
+    keep filling them by name (and each rank's shard slices stay per projection).
+    """
+    weight = torch.cat([m.weight.detach() for m in linears])
+    has_bias = linears[0].bias is not None
+    bias = torch.cat([m.bias.detach() for m in linears]) if has_bias else None  # type: ignore[misc]
+    start = 0
+    for m in linears:
+        rows = m.weight.shape[0]
+        m.weight = nn.Parameter(weight[start : start + rows], requires_grad=False)
+        if bias is not None:
+            m.bias = nn.Parameter(bias[start : start + rows], requires_grad=False)
+        start += rows
+    return weight, bias
 
 
 class Attention(nn.Module):
@@ -79,6 +94,12 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.scale = d**-0.5
+        # q|k|v as one GEMM once `fuse_projections` ran (the loader calls it).
+        self.qkv_weight: torch.Tensor | None = None
+        self.qkv_bias: torch.Tensor | None = None
+
+    def fuse_projections(self) -> None:
+        self.qkv_weight, self.qkv_bias = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(
         self,
@@ -89,11 +110,25 @@ class Attention(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(t, self.num_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale)
+        if self.qkv_weight is not None:
+            qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        else:
+            qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        k_cache, v_cache = kv_cache
+        q = nr.qk_norm_rope_store(
+            qkv,
+            self.q_norm.weight,
+            self.k_norm.weight,
+            cos,
+            sin,
+            self.q_norm.eps,
+            self.num_heads,
+            self.num_kv_heads,
+            k_cache,
+            v_cache,
+            meta.slot_mapping,
+        )
+        out = attend(q, kv_cache, meta, self.scale)
         out = self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
         if self.reduce:
             out = self.comm.all_reduce(out)
@@ -114,9 +149,17 @@ class DenseMLP(nn.Module):
         self.down_proj = nn.Linear(width, h, bias=False)
         self.comm = comm
         self.reduce = layout.attn_tp_size > 1
+        self.gate_up_weight: torch.Tensor | None = None
+
+    def fuse_projections(self) -> None:
+        self.gate_up_weight = fuse_linears([self.gate_proj, self.up_proj])[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_weight is not None:
+            gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        out = self.down_proj(F.silu(gate) * up)
         return self.comm.all_reduce(out) if self.reduce else out
 
 
@@ -144,9 +187,18 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = DenseMLP(cfg, layout, comm)
 
-    def forward(self, x, cos, sin, meta, kv_cache) -> torch.Tensor:  # type: ignore[no-untyped-def]
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(  # type: ignore[no-untyped-def]
+        self, x: torch.Tensor, residual: torch.Tensor | None, cos, sin, meta, kv_cache
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's MLP output, the residual stream before it); the next layer's
+        norm adds the two (the model's `x + mlp(norm(x))`, one kernel fewer)."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.add_norm(x, residual)
+        h = self.self_attn(h, cos, sin, meta, kv_cache)
+        h, residual = self.post_attention_layernorm.add_norm(h, residual)
+        return self.mlp(h), residual
 
 
 class Qwen3MoeForCausalLM(nn.Module):
@@ -180,9 +232,19 @@ class Qwen3MoeForCausalLM(nn.Module):
         """Returns the final hidden states [T, H] of every scheduled token."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
+        residual: torch.Tensor | None = None
         for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, meta, kv)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, meta, kv)
+        if residual is None:  # no layers
+            return self.norm(x)
+        return self.norm.add_norm(x, residual)[0]
+
+    def fuse_projections(self) -> None:
+        """q|k|v (and dense gate|up) as one GEMM each; call once the parameters are allocated."""
+        for layer in self.layers:
+            layer.self_attn.fuse_projections()
+            if not layer.is_moe:
+                layer.mlp.fuse_projections()
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,8 @@ from collections.abc import Callable
 
 import torch
 
-from safeserve.moe.dispatch.base import Dispatcher
+from safeserve.moe.dispatch.base import Dispatcher, DispatchOutput
+from safeserve.moe.dispatch.local import LocalDispatcher
 from safeserve.moe.placement import ExpertPlacement
 from safeserve.moe.runner import ExpertRunner
 from safeserve.moe.topk import Router
@@ -32,7 +33,26 @@ class MoELayer(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         topk = self.gate(hidden_states)
-        out = self.dispatcher.run(hidden_states, topk, self.experts, self.on_phase)
+        if self._direct(hidden_states):
+            # One rank, one round, CUDA: the fused MoE allocates its own (budget-bounded)
+            # buffers, so staging the rows in the receive buffer and back is two copies for
+            # nothing; the round is still recorded as the dispatcher would.
+            if self.dispatcher.buffers is not None:
+                self.dispatcher.buffers.record_round(hidden_states.shape[0])
+            if self.on_phase is not None:
+                self.on_phase("experts")
+            d = DispatchOutput(hidden_states, topk.topk_ids, topk.topk_weights)
+            out = self.experts(d).hidden_states
+        else:
+            out = self.dispatcher.run(hidden_states, topk, self.experts, self.on_phase)
         if self.on_phase is not None:
             self.on_phase("attention")
         return out
+
+    def _direct(self, hidden_states: torch.Tensor) -> bool:
+        budget = self.dispatcher.budget
+        return (
+            isinstance(self.dispatcher, LocalDispatcher)
+            and hidden_states.is_cuda
+            and (budget is None or hidden_states.shape[0] <= budget)
+        )

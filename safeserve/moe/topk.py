@@ -42,16 +42,17 @@ class Router(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> TopKOutput:
         logits = F.linear(hidden_states, self.weight)
-        if logits.is_cuda:
-            # One Triton kernel, same float32 math; ids come back int32, the rest uses int64.
+        if logits.is_cuda and self.skew_expert is None:
+            # One Triton kernel: the same float32 math, the weights' cast and the id mapping.
             from safeserve.kernels.fused_moe import fused_topk_softmax
 
-            weights, ids32 = fused_topk_softmax(logits, self.top_k, self.renormalize)
-            weights, logical_ids = weights.to(hidden_states.dtype), ids32.to(torch.int64)
-        else:
-            weights, logical_ids = softmax_topk(
-                logits, self.top_k, self.renormalize, hidden_states.dtype
+            weights, ids = fused_topk_softmax(
+                logits, self.top_k, self.renormalize, hidden_states.dtype, self.logical_to_physical
             )
+            return TopKOutput(ids, weights, logits)
+        weights, logical_ids = softmax_topk(
+            logits, self.top_k, self.renormalize, hidden_states.dtype
+        )
         if self.skew_expert is not None:
             # Fault injection: every token picks the experts starting at one (the worst skew).
             skewed = (

@@ -86,3 +86,27 @@ def test_cuda_graphs_match_eager_bfloat16() -> None:
         assert not a.isnan().any()
         rel = ((a - b).norm() / b.norm()).item()
         assert rel <= 1e-2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_graph_greedy_tokens_match_cpu_float32() -> None:
+    """`execute` samples from the argmax the decode graph computes: the same tokens as on CPU."""
+    cpu = _runner("cpu", False, "float32", None)
+    cuda = _runner("cuda", True, "float32", cpu.model)
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (5, 11)]
+    tables = [[4, 9, 2, 11, 30, 31, 32], [13, 0, 6, 20, 21, 22, 23]]
+    outs = []
+    for runner in (cpu, cuda):
+        seqs = [SeqPlan(p, 0, t, GREEDY) for p, t in zip(prompts, tables, strict=True)]
+        last = runner.execute(StepPlan(step=0, per_rank=[seqs]))
+        tokens = [list(last)]
+        for step in range(1, 10):
+            plan = [
+                SeqPlan([last[i]], len(prompts[i]) + step - 1, tables[i], GREEDY, step)
+                for i in range(2)
+            ]
+            last = runner.execute(StepPlan(step=step, per_rank=[plan]))
+            tokens.append(list(last))
+        outs.append(tokens)
+    assert outs[0] == outs[1]

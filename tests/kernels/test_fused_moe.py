@@ -249,7 +249,9 @@ GPU_CASES = [
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"T{c[0]}-E{c[1]}-H{c[2]}-I{c[3]}")
-@pytest.mark.parametrize("mode", ["auto", "pair", "pair_pdl", "sorted16", "sorted64"])
+@pytest.mark.parametrize(
+    "mode", ["auto", "pair", "pair_pdl", "pair_gemv4", "pair_gemv8", "sorted16", "sorted64"]
+)
 def test_gpu_fused_moe_matches_reference(case, mode: str) -> None:
     tokens, experts, hidden, inter, top_k, dtype, drop = case
     if mode.startswith("pair") and tokens > 300:
@@ -260,6 +262,10 @@ def test_gpu_fused_moe_matches_reference(case, mode: str) -> None:
     )
     if mode == "auto":
         config = None
+    elif mode.startswith("pair_gemv"):
+        config = fm.default_config(1, experts, top_k)
+        tile = int(mode.removeprefix("pair_gemv"))
+        config = {**config, "gemm2": {**config["gemm2"], "gemv": True, "BLOCK_N": tile}}
     elif mode.startswith("pair"):
         config = {**fm.default_config(1, experts, top_k), "pdl": mode == "pair_pdl"}
     else:

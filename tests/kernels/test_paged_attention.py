@@ -173,3 +173,39 @@ def test_decode_kernel_in_cuda_graph() -> None:
         ref = pa.paged_decode_torch(q.double(), kc.double(), vc.double(), bt, ctx, 16, 0.1)
         assert not out.isnan().any()
         assert _rel_err(out, ref) <= 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_mixed_step_decodes_through_the_kernel_and_matches_the_torch_path(
+    dtype: torch.dtype,
+) -> None:
+    """A step mixing prefill chunks and decodes: the decode rows go through the kernel in one
+    launch, the chunks through SDPA; the result equals the all-torch path."""
+    from safeserve.engine.attention import attend
+
+    block_size, scale, hq, hkv, d = 16, 0.1, 8, 2, 64
+    query_lens = [1, 5, 1, 1, 17, 1, 33]
+    context_lens = [40, 5, 1, 130, 60, 17, 33]
+    gen = torch.Generator().manual_seed(3)
+    widths = [(c + block_size - 1) // block_size for c in context_lens]
+    perm = torch.randperm(sum(widths) + 2, generator=gen).tolist()
+    tables, i = [], 0
+    for w in widths:
+        tables.append(perm[i : i + w])
+        i += w
+    slots = (sum(widths) + 2) * block_size
+    kc = torch.randn(slots, hkv, d, generator=gen).to("cuda", dtype)
+    vc = torch.randn(slots, hkv, d, generator=gen).to("cuda", dtype)
+    q = torch.randn(sum(query_lens), hq, d, generator=gen).to("cuda", dtype)
+    mixed = AttentionMetadata.build(query_lens, context_lens, tables, block_size, "cuda")
+    ref_meta = AttentionMetadata.build(
+        query_lens, context_lens, tables, block_size, "cuda", use_kernels=False
+    )
+    assert mixed.decode is not None and len(mixed.seqs) == 3 and ref_meta.decode is None
+    torch.testing.assert_close(mixed.slot_mapping, ref_meta.slot_mapping)
+    out = attend(q, (kc, vc), mixed, scale)
+    ref = attend(q, (kc, vc), ref_meta, scale)
+    assert not out.isnan().any()
+    assert _rel_err(out, ref) <= (1e-2 if dtype == torch.bfloat16 else 1e-5)

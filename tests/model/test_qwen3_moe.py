@@ -139,3 +139,20 @@ def test_dummy_load_format_needs_only_config_json(tmp_path: Path) -> None:
         for o in engine.step():
             tokens += o.new_token_ids
     assert len(tokens) == 4 and all(0 <= t < 300 for t in tokens)
+
+
+def test_fused_projections_alias_the_per_projection_weights() -> None:
+    """q|k|v is one GEMM: the three parameters are views of it, so loading by name fills it."""
+    net = build_model("tiny", "dummy", "float32", "cpu", LocalDispatcher(ExpertPlacement(8)))
+    attn = net.layers[0].self_attn
+    assert attn.qkv_weight is not None
+    rows = [attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0]]
+    torch.testing.assert_close(attn.qkv_weight[: rows[0]], attn.q_proj.weight, rtol=0, atol=0)
+    state = {k: torch.randn_like(v) for k, v in net.state_dict().items()}
+    net.load_state_dict(state)
+    v_rows = attn.qkv_weight[rows[0] + rows[1] :]
+    torch.testing.assert_close(v_rows, state["layers.0.self_attn.v_proj.weight"], rtol=0, atol=0)
+    dense = net.layers[2].mlp  # the tiny model's dense layer
+    assert dense.gate_up_weight is not None
+    up = dense.gate_up_weight[dense.gate_proj.weight.shape[0] :]
+    torch.testing.assert_close(up, state["layers.2.mlp.up_proj.weight"], rtol=0, atol=0)
