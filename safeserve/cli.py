@@ -1,4 +1,4 @@
-"""`safeserve serve`, `bench` and `chaos` (and, as they land, `group` and `oncall`)."""
+"""`safeserve serve`, `bench`, `chaos` and `oncall` (and, when it lands, `group`)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import argparse
 import logging
 import sys
 
-from safeserve.bench import add_bench_args
 from safeserve.chaos.cli import add_chaos_args
 from safeserve.config import ConfigError, ServerArgs
+from safeserve.oncall.cli import add_oncall_args
 
 
 def _serve(ns: argparse.Namespace) -> int:
@@ -83,13 +83,19 @@ def _chaos(ns: argparse.Namespace) -> int:
     return chaos_main(ns)
 
 
+def _oncall(ns: argparse.Namespace) -> int:
+    from safeserve.oncall.cli import main as oncall_main
+
+    return oncall_main(ns)
+
+
 def _bench(ns: argparse.Namespace) -> int:
     from safeserve.bench import main as bench_main
 
     return bench_main(ns)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="safeserve", description="Fault-tolerant MoE inference server"
     )
@@ -100,18 +106,27 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench", help="offline decode benchmark: time per token against the memory floor"
     )
-    add_bench_args(bench)
+    if (sys.argv[1:] if argv is None else argv)[:1] == ["bench"]:
+        # The bench imports torch: only when it runs, so every other command starts fast.
+        from safeserve.bench import add_bench_args
+
+        add_bench_args(bench)
     bench.set_defaults(func=_bench)
     chaos = sub.add_parser(
         "chaos", help="chaos runs: load + injected faults, and the goals they must meet"
     )
     add_chaos_args(chaos)
     chaos.set_defaults(func=_chaos)
+    oncall = sub.add_parser(
+        "oncall", help="on-call view of a running server: get, describe, drain, restart, runbook"
+    )
+    add_oncall_args(oncall)
+    oncall.set_defaults(func=_oncall)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
+    ns = build_parser(argv).parse_args(argv)
     return ns.func(ns)
 
 

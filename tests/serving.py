@@ -14,6 +14,24 @@ from pathlib import Path
 import httpx
 
 
+def two_groups(*extra: str) -> list[str]:
+    """Server arguments of the failover setup: two groups of two ranks (alltoall), a 3 s stall
+    timeout and a quick restart, plus `extra`."""
+    return [
+        "--num-groups",
+        "2",
+        "--tp-size",
+        "2",
+        "--moe-a2a-backend",
+        "alltoall",
+        "--watchdog-stall-timeout",
+        "3",
+        "--restart-backoff-s",
+        "0.5",
+        *extra,
+    ]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

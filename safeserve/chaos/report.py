@@ -165,7 +165,7 @@ def dispatch_summary(
 ) -> list[dict[str, Any]]:
     """Per rank: admission counters and memory at the end (and its peak when the run began)."""
     start = {
-        (g["id"], r["rank"]): r.get("memory_peak_bytes")
+        (g["id"], r["rank"]): (r.get("memory_bytes"), r.get("memory_peak_bytes"))
         for g in at_start or []
         for r in g.get("ranks", [])
     }
@@ -173,6 +173,7 @@ def dispatch_summary(
     for g in groups:
         for r in g.get("ranks", []):
             d = r.get("dispatch") or {}
+            key = (g["id"], r["rank"])
             rows.append(
                 {
                     "group": g["id"],
@@ -185,7 +186,9 @@ def dispatch_summary(
                     "buffer_peak_bytes": d.get("dispatch_buffer_peak_bytes"),
                     "memory_bytes": r.get("memory_bytes"),
                     "memory_peak_bytes": r.get("memory_peak_bytes"),
-                    "memory_peak_bytes_at_start": start.get((g["id"], r["rank"])),
+                    "memory_bytes_at_start": start.get(key, (None, None))[0],
+                    "memory_peak_bytes_at_start": start.get(key, (None, None))[1],
+                    "memory_startup_peak_bytes": r.get("memory_startup_peak_bytes"),
                 }
             )
     return rows
@@ -310,4 +313,28 @@ def evaluate(sc: Scenario, report: dict[str, Any]) -> list[dict[str, Any]]:
             else (over or "all within")
         )
         out.append(_goal("dispatch within budget", True, value, bool(rows) and not over))
+    if gl.rank_memory_spread_max_gib is not None:
+        v = memory_spread_gib(report["dispatch"])
+        lim = gl.rank_memory_spread_max_gib
+        out.append(
+            _goal("rank memory growth spread GiB", f"<= {lim}", v, v is not None and v <= lim)
+        )
     return out
+
+
+def memory_growth(r: dict[str, Any]) -> int | None:
+    """How far a rank's peak while serving rose above the memory it held when the run began
+    (weights, KV cache and admission buffers are allocated before; the rest is transient)."""
+    a, b = r.get("memory_bytes_at_start"), r.get("memory_peak_bytes")
+    return None if a is None or b is None else b - a
+
+
+def memory_spread_gib(rows: list[dict[str, Any]]) -> float | None:
+    """Per group, (most − least) transient growth of a rank's memory; the worst group."""
+    worst = None
+    for g in {r["group"] for r in rows}:
+        growth = [x for r in rows if r["group"] == g and (x := memory_growth(r)) is not None]
+        if len(growth) >= 2:
+            spread = (max(growth) - min(growth)) / 2**30
+            worst = spread if worst is None else max(worst, spread)
+    return None if worst is None else round(worst, 3)

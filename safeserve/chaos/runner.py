@@ -26,6 +26,7 @@ from safeserve.chaos.report import (
     analyse_faults,
     dispatch_summary,
     evaluate,
+    memory_growth,
     request_summary,
     server_counters,
 )
@@ -302,9 +303,8 @@ def render(report: dict[str, Any]) -> str:
         if r["budget"] is not None or r["memory_peak_bytes"] is not None:
             lines.append(
                 f"group {r['group']} rank {r['rank']}: recv peak {r['recv_peak']} / budget "
-                f"{r['budget']}, cut {r['cut']}, memory {_gib(r['memory_bytes'])}, peak "
-                f"{_gib(r['memory_peak_bytes_at_start'])} at start, {_gib(r['memory_peak_bytes'])} "
-                "at end"
+                f"{r['budget']}, cut {r['cut']}, memory {_gib(r['memory_bytes_at_start'])} at "
+                f"start, peak while serving {_gib(r['memory_peak_bytes'])} ({_growth(r)}; start-up peak {_gib(r['memory_startup_peak_bytes'])})"
             )
     lines.append("goals:")
     for g in report["goals"]:
@@ -328,6 +328,11 @@ def _ms(x: float | None) -> str:
 
 def _s(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f} s"
+
+
+def _growth(r: dict[str, Any]) -> str:
+    g = memory_growth(r)
+    return "-" if g is None else f"+{g / 2**30:.2f} GiB above its memory at the start"
 
 
 def _gib(x: float | None) -> str:

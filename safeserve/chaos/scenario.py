@@ -82,6 +82,9 @@ class Goals:
     survivor_p99_tpot_max_increase: float | None = None  # e.g. 0.2 = at most +20 %
     group_failures_max: int | None = None  # failures the run may cause (0 for a no-crash run)
     dispatch_within_budget: bool = False  # every rank's received rows ≤ its admission budget
+    # Within a group, the most any rank's peak memory grew during the run beyond the least any
+    # grew: skew must not pile memory onto one rank (the receive side is preallocated).
+    rank_memory_spread_max_gib: float | None = None
 
 
 @dataclass

@@ -47,6 +47,7 @@ def group_view(state: ServerState) -> list[dict[str, Any]]:
                     "utilization": round(st.utilization, 3),
                     "memory_bytes": st.stats.get("memory_bytes", _rss(st.pid)),
                     "memory_peak_bytes": st.stats.get("memory_peak_bytes"),
+                    "memory_startup_peak_bytes": st.stats.get("memory_startup_peak_bytes"),
                     "dispatch": {k: v for k, v in st.stats.items() if k.startswith("dispatch_")},
                 }
             )
@@ -104,12 +105,28 @@ def build_admin_app(state: ServerState) -> FastAPI:
         if action not in ("drain", "undrain", "restart"):
             raise APIError(404, "action must be drain, undrain or restart", "not_found")
         sup = sups[group_id]
-        try:
-            getattr(sup, action)()
-        except ValueError as e:
-            raise APIError(409, str(e), "conflict") from e
+        dry_run = request.query_params.get("dry_run", "") in ("1", "true")
+        if dry_run:
+            # Server-side dry run: the same checks as the action, and nothing changes.
+            why = sup.refusal(action)
+            if why is not None:
+                raise APIError(409, why, "conflict")
+        else:
+            try:
+                getattr(sup, action)()
+            except ValueError as e:
+                raise APIError(409, str(e), "conflict") from e
+        others = [s.group for s in state.supervisors if s is not sup and s.ready]
         return JSONResponse(
-            {"ok": True, "group": group_id, "action": action, "state": sup.state.value}
+            {
+                "ok": True,
+                "group": group_id,
+                "action": action,
+                "dry_run": dry_run,
+                "state": sup.state.value,
+                "in_flight": sup.load,
+                "other_ready_groups": others,
+            }
         )
 
     @app.get("/admin/config")

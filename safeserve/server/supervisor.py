@@ -95,21 +95,39 @@ class Supervisor:
         self._set(SupervisorState.STOPPED)
 
     # -- operator actions -----------------------------------------------------------------------
+    def refusal(self, action: str) -> str | None:
+        """Why `action` (drain, undrain, restart) cannot be done now; None if it can."""
+        st = self.state
+        if action == "drain" and st is not SupervisorState.READY:
+            return f"group {self.group} is {st.value}, not READY"
+        if action == "undrain" and st not in (SupervisorState.DRAINING, SupervisorState.DRAINED):
+            return f"group {self.group} is {st.value}, not DRAINING or DRAINED"
+        if action == "restart" and st not in (
+            SupervisorState.FAILED,
+            SupervisorState.READY,
+            SupervisorState.DRAINING,
+            SupervisorState.DRAINED,
+        ):
+            return f"group {self.group} is {st.value}; cannot restart now"
+        return None
+
     def drain(self) -> None:
         """No new requests; in-flight ones finish; then DRAINED."""
-        if self.state is not SupervisorState.READY:
-            raise ValueError(f"group {self.group} is {self.state.value}, not READY")
+        if (why := self.refusal("drain")) is not None:
+            raise ValueError(why)
         self._set(SupervisorState.DRAINING)
         self._spawn(self._drain_watch())
 
     def undrain(self) -> None:
-        if self.state not in (SupervisorState.DRAINING, SupervisorState.DRAINED):
-            raise ValueError(f"group {self.group} is {self.state.value}, not DRAINING or DRAINED")
+        if (why := self.refusal("undrain")) is not None:
+            raise ValueError(why)
         self._restart_after_drain = False
         self._set(SupervisorState.READY)
 
     def restart(self) -> None:
         """Drain, then restart (a FAILED group, crash-looped or not, restarts at once)."""
+        if (why := self.refusal("restart")) is not None:
+            raise ValueError(why)
         if self.state is SupervisorState.FAILED:
             self.crash_loop = False
             self.failures.clear()
@@ -123,8 +141,6 @@ class Supervisor:
             self._restart_after_drain = True
             if self.state is SupervisorState.DRAINED:
                 self._spawn(self._restart(delay=0.0))
-            return
-        raise ValueError(f"group {self.group} is {self.state.value}; cannot restart now")
 
     async def _drain_watch(self) -> None:
         while self.state is SupervisorState.DRAINING:

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from serving import two_groups
 
 from safeserve.chaos.load import RequestRecord
 from safeserve.chaos.observer import Observer, Sample, parse_metrics
@@ -16,22 +17,7 @@ from safeserve.chaos.report import outcome, p99, request_summary
 from safeserve.chaos.scenario import ScenarioError, load_scenario, parse
 
 ROOT = Path(__file__).resolve().parents[2]
-GROUPS = [
-    "--num-groups",
-    "2",
-    "--tp-size",
-    "2",
-    "--moe-a2a-backend",
-    "alltoall",
-    "--max-model-len",
-    "512",
-    "--max-running-requests",
-    "4",
-    "--watchdog-stall-timeout",
-    "3",
-    "--restart-backoff-s",
-    "0.5",
-]
+GROUPS = two_groups("--max-model-len", "512", "--max-running-requests", "4")
 
 
 def _chaos(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -215,3 +201,18 @@ def _groups(server) -> list[dict]:  # type: ignore[no-untyped-def]
     import httpx
 
     return httpx.get(server.admin_url + "/admin/groups").json()["groups"]
+
+
+def test_memory_spread_is_the_worst_groups_growth_gap() -> None:
+    from safeserve.chaos.report import memory_spread_gib
+
+    gib = 2**30
+
+    def row(g: int, r: int, start: float | None, end: float | None) -> dict:
+        s = None if start is None else start * gib
+        e = None if end is None else end * gib
+        return {"group": g, "rank": r, "memory_bytes_at_start": s, "memory_peak_bytes": e}
+
+    rows = [row(0, 0, 70, 73.5), row(0, 1, 70, 71), row(1, 0, 70, 70.5), row(1, 1, 70, 70.5)]
+    assert memory_spread_gib(rows) == 2.5  # group 0: rank 0 grew 3.5 GiB, rank 1 only 1
+    assert memory_spread_gib([row(0, 0, None, None), row(0, 1, 1, 2)]) is None  # CPU ranks

@@ -43,3 +43,23 @@ def test_stop_string_spanning_tokens_and_finish_flushes_held_text() -> None:
     detok2.add(list(b"xxab"), finished=False)
     assert detok2.add(list(b"c!"), finished=False) == ""
     assert detok2.stopped and detok2.text == "xx"
+
+
+class _CountingTokenizer(ByteTokenizer):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lengths: list[int] = []
+
+    def decode(self, ids: list[int]) -> str:
+        self.lengths.append(len(ids))
+        return super().decode(ids)
+
+
+def test_each_step_decodes_a_short_window_not_the_whole_output() -> None:
+    tok = _CountingTokenizer()
+    text = ("naïve café 🙂 " * 200).strip()
+    ids = list(text.encode())
+    detok = IncrementalDetokenizer(tok, ["zz"])
+    assert "".join(_feed(detok, ids)) == text
+    # A 4-byte character needs 4 one-token steps before it decodes: windows stay that short.
+    assert max(tok.lengths) <= 8, max(tok.lengths)

@@ -11,21 +11,9 @@ import time
 
 import httpx
 import pytest
+from serving import two_groups
 
-GROUPS = [
-    "--num-groups",
-    "2",
-    "--tp-size",
-    "2",
-    "--moe-a2a-backend",
-    "alltoall",
-    "--max-model-len",
-    "1024",
-    "--watchdog-stall-timeout",
-    "3",
-    "--restart-backoff-s",
-    "0.5",
-]
+GROUPS = two_groups("--max-model-len", "1024")
 N, TOKENS = 32, 64
 
 

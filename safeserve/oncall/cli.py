@@ -1,0 +1,114 @@
+"""`safeserve oncall VERB NOUN`: the on-call engineer's view of a running server, through its
+admin API (a thin client: every decision and check stays in the server).
+
+    safeserve oncall get groups|ranks [-o json]
+    safeserve oncall describe group N
+    safeserve oncall drain|undrain|restart group N [--dry-run]
+    safeserve oncall runbook [NAME]
+
+Exit codes: 0 done; 1 the server refused (e.g. 409: not in a state that allows it; 404: no such
+group); 2 bad arguments or an unknown runbook; 3 no admin API answered.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def add_oncall_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--admin-url", help="the admin API (default: $SAFESERVE_ADMIN_URL or http://127.0.0.1:8001)"
+    )
+    p.add_argument("--admin-api-key", help="its Bearer key (default: $SAFESERVE_ADMIN_API_KEY)")
+    sub = p.add_subparsers(dest="verb", required=True)
+    get = sub.add_parser("get", help="one row per group or rank")
+    get.add_argument("noun", choices=("groups", "ranks"))
+    get.add_argument("-o", "--output", choices=("table", "json"), default="table")
+    desc = sub.add_parser("describe", help="a group: ranks, verdicts, events, runbooks")
+    desc.add_argument("noun", choices=("group",))
+    desc.add_argument("id", type=int)
+    desc.add_argument("-o", "--output", choices=("table", "json"), default="table")
+    for verb, text in (
+        ("drain", "stop sending new requests to a group; in-flight ones finish"),
+        ("undrain", "send new requests to a drained group again"),
+        ("restart", "drain a group, then restart it (a FAILED one restarts at once)"),
+    ):
+        a = sub.add_parser(verb, help=text)
+        a.add_argument("noun", choices=("group",))
+        a.add_argument("id", type=int)
+        a.add_argument(
+            "--dry-run", action="store_true", help="ask the server whether it would; change nothing"
+        )
+        a.add_argument("-o", "--output", choices=("table", "json"), default="table")
+    rb = sub.add_parser("runbook", help="list the runbooks, or print one")
+    rb.add_argument("name", nargs="?")
+    rb.add_argument(
+        "--dir", type=Path, help="runbooks folder (default: $SAFESERVE_RUNBOOKS, ./runbooks)"
+    )
+
+
+def main(ns: argparse.Namespace) -> int:
+    from safeserve.oncall import views
+    from safeserve.oncall.client import AdminClient, Refused, Unreachable
+
+    if ns.verb == "runbook":
+        return _runbook(ns.name, ns.dir)
+    client = AdminClient(ns.admin_url, ns.admin_api_key)
+    try:
+        if ns.verb == "get":
+            groups = client.groups()
+            if ns.output == "json":
+                print(json.dumps(groups, indent=1))
+            else:
+                print(
+                    views.groups_table(groups) if ns.noun == "groups" else views.ranks_table(groups)
+                )
+        elif ns.verb == "describe":
+            groups = client.groups()
+            g = client.group(ns.id)
+            print(
+                json.dumps(g, indent=1) if ns.output == "json" else views.describe_group(g, groups)
+            )
+        else:
+            path = f"/admin/groups/{ns.id}/{ns.verb}" + ("?dry_run=1" if ns.dry_run else "")
+            r = client._call("POST", path)
+            if ns.output == "json":
+                print(json.dumps(r, indent=1))
+            else:
+                verb = f"would {ns.verb}" if ns.dry_run else f"{ns.verb}: done"
+                others = ", ".join(map(str, r["other_ready_groups"])) or "none"
+                print(
+                    f"group {r['group']} {verb} (now {r['state']}, {r['in_flight']} in flight; "
+                    f"other READY groups: {others})"
+                )
+    except Refused as e:
+        print(f"safeserve oncall: error: {e}", file=sys.stderr)
+        return 1
+    except Unreachable as e:
+        print(f"safeserve oncall: error: {e}", file=sys.stderr)
+        return 3
+    return 0
+
+
+def _runbook(name: str | None, folder: Path | None) -> int:
+    from safeserve.oncall.views import find_runbooks, runbook_title, table
+
+    d = find_runbooks(folder)
+    if d is None:
+        print("safeserve oncall: error: no runbooks folder found (give --dir)", file=sys.stderr)
+        return 2
+    books = {p.stem: p for p in sorted(d.glob("*.md")) if p.stem.lower() != "readme"}
+    if name is None:
+        print(table(["RUNBOOK", "TITLE"], [[k, runbook_title(p)] for k, p in books.items()]))
+        return 0
+    if name not in books:
+        print(
+            f"safeserve oncall: error: no runbook {name!r}; runbooks are {', '.join(books)}",
+            file=sys.stderr,
+        )
+        return 2
+    print(books[name].read_text().rstrip())
+    return 0

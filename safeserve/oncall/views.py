@@ -1,0 +1,162 @@
+"""What the on-call CLI prints: one row per resource, name first; `describe` with its events; and
+which runbook a group's state points to."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+RUNBOOK_FOR_VERDICT = {"dead": "rank-dead", "stalled": "rank-stalled", "slow": "rank-slow"}
+RECENT_S = 3600.0  # verdicts older than this no longer point to a runbook
+
+
+def table(header: list[str], rows: list[list[Any]]) -> str:
+    cells = [header, *[["-" if c is None else str(c) for c in r] for r in rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells
+    )
+
+
+def _ago(at: float | None, now: float) -> str:
+    if at is None:
+        return "-"
+    s = max(0.0, now - at)
+    return (
+        f"{s:.0f}s ago" if s < 120 else f"{s / 60:.0f}m ago" if s < 7200 else f"{s / 3600:.0f}h ago"
+    )
+
+
+def _gib(x: float | None) -> str | None:
+    return None if x is None else f"{x / 2**30:.2f}Gi"
+
+
+def groups_table(groups: list[dict[str, Any]], now: float | None = None) -> str:
+    now = time.time() if now is None else now
+    rows = []
+    for g in groups:
+        last = g["verdicts"][-1] if g.get("verdicts") else None
+        verdict = f"{last['kind']} rank {last['rank']} {_ago(last['at'], now)}" if last else None
+        rows.append(
+            [
+                g["id"],
+                g["state"],
+                len(g["ranks"]),
+                g["running"],
+                g["waiting"],
+                g["in_flight"],
+                g["failures"],
+                g["restarts"],
+                verdict,
+            ]
+        )
+    header = ["GROUP", "STATE", "RANKS", "RUNNING", "WAITING", "IN-FLIGHT", "FAILURES"]
+    return table([*header, "RESTARTS", "LAST-VERDICT"], rows)
+
+
+def ranks_table(groups: list[dict[str, Any]]) -> str:
+    rows = []
+    for g in groups:
+        for r in g["ranks"]:
+            d = r.get("dispatch") or {}
+            recv = (
+                f"{d['dispatch_recv_tokens_peak']}/{d['dispatch_budget_tokens']}"
+                if "dispatch_budget_tokens" in d
+                else None
+            )
+            rows.append(
+                [
+                    f"{g['id']}/{r['rank']}",
+                    r["pid"],
+                    r["device"],
+                    r["step"],
+                    r["phase"],
+                    f"{r['heartbeat_age_s']:.1f}s",
+                    f"{100 * r['utilization']:.0f}%",
+                    _gib(r.get("memory_bytes")),
+                    recv,
+                    d.get("dispatch_cut_total"),
+                ]
+            )
+    header = ["GROUP/RANK", "PID", "DEVICE", "STEP", "PHASE", "HEARTBEAT", "UTIL", "MEMORY"]
+    return table([*header, "RECV-PEAK/BUDGET", "CUT"], rows)
+
+
+def runbooks_for(
+    g: dict[str, Any], all_groups: list[dict[str, Any]], now: float
+) -> list[tuple[str, str]]:
+    """(runbook, why) for what this group shows, most pressing first."""
+    out: list[tuple[str, str]] = []
+    if g.get("crash_loop"):
+        out.append(("crash-loop", f"group {g['id']} failed repeatedly and stays FAILED"))
+    seen = set()
+    for v in reversed(g.get("verdicts", [])):
+        name = RUNBOOK_FOR_VERDICT.get(v["kind"])
+        if name and name not in seen and now - v["at"] <= RECENT_S:
+            seen.add(name)
+            out.append(
+                (name, f"watchdog verdict {v['kind']} on rank {v['rank']} {_ago(v['at'], now)}")
+            )
+    cut = sum((r.get("dispatch") or {}).get("dispatch_cut_total", 0) or 0 for r in g["ranks"])
+    if cut:
+        out.append(
+            ("dispatch-skew", f"{cut} dispatches cut into admission rounds: routing is skewed")
+        )
+    if not any(x["state"] == "READY" for x in all_groups):
+        out.append(("no-ready-group", "no group is READY: new requests get 503"))
+    return out
+
+
+def describe_group(
+    g: dict[str, Any], all_groups: list[dict[str, Any]], now: float | None = None
+) -> str:
+    now = time.time() if now is None else now
+    lines = [
+        f"Group:        {g['id']}",
+        f"State:        {g['state']}" + ("  (crash loop)" if g.get("crash_loop") else ""),
+        f"Requests:     {g['running']} running, {g['waiting']} waiting, {g['in_flight']} in flight",
+        f"Failures:     {g['failures']} ({g['restarts']} restarts)",
+        f"Last failure: {g.get('last_failure') or '-'}",
+        "Ranks:",
+        *("  " + line for line in ranks_table([g]).splitlines()),
+        "Verdicts:",
+    ]
+    lines += [
+        f"  {_ago(v['at'], now):>9}  {v['kind']:<8} rank {v['rank']}: {v['reason']}"
+        for v in g.get("verdicts", [])
+    ] or ["  <none>"]
+    lines.append("Events:")
+    lines += [f"  {_ago(e['at'], now):>9}  {e['state']}" for e in g.get("events", [])] or [
+        "  <none>"
+    ]
+    books = runbooks_for(g, all_groups, now)
+    lines.append("Runbooks:")
+    lines += [f"  {name:<15} {why}  (safeserve oncall runbook {name})" for name, why in books] or [
+        "  <none: nothing points to a known failure>"
+    ]
+    return "\n".join(lines)
+
+
+def runbook_dirs(explicit: Path | None) -> list[Path]:
+    import os
+
+    cands = [explicit] if explicit else []
+    if env := os.environ.get("SAFESERVE_RUNBOOKS"):
+        cands.append(Path(env))
+    cands += [Path("runbooks"), Path(__file__).resolve().parents[2] / "runbooks"]
+    return [c for c in cands if c is not None]
+
+
+def find_runbooks(explicit: Path | None) -> Path | None:
+    for d in runbook_dirs(explicit):
+        if d.is_dir() and any(d.glob("*.md")):
+            return d
+    return None
+
+
+def runbook_title(path: Path) -> str:
+    for line in path.read_text().splitlines():
+        if line.startswith("# "):
+            return line[2:].strip()
+    return path.stem

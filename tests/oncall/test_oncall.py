@@ -1,0 +1,109 @@
+"""`safeserve oncall` against a real server: tables, describe with events and verdicts, server-side
+dry runs that change nothing, refusals with their exit codes, and the runbook a dead rank
+points to."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from serving import two_groups
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVER = two_groups("--max-model-len", "256")
+
+
+def oncall(admin_url: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "safeserve.cli", "oncall", "--admin-url", admin_url, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+
+
+def _state(admin_url: str, group: int) -> str:
+    groups = httpx.get(admin_url + "/admin/groups").json()["groups"]
+    return next(g["state"] for g in groups if g["id"] == group)
+
+
+def _wait(admin_url: str, group: int, state: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while _state(admin_url, group) != state:
+        assert time.monotonic() < deadline, f"group {group} not {state}"
+        time.sleep(0.2)
+
+
+def test_oncall_views_actions_and_runbooks(server_factory) -> None:
+    s = server_factory(SERVER)
+    a = s.admin_url
+    for g in (0, 1):  # /ready answers once one group is up
+        _wait(a, g, "READY")
+
+    r = oncall(a, "get", "groups")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].split()[:3] == ["GROUP", "STATE", "RANKS"]
+    assert [ln.split()[:3] for ln in lines[1:]] == [["0", "READY", "2"], ["1", "READY", "2"]]
+    groups = json.loads(oncall(a, "get", "groups", "-o", "json").stdout)
+    pids = {g["id"]: [rk["pid"] for rk in g["ranks"]] for g in groups}
+    ranks = oncall(a, "get", "ranks").stdout.splitlines()
+    assert len(ranks) == 1 + 4 and ranks[1].split()[:2] == ["0/0", str(pids[0][0])]
+    assert "RECV-PEAK/BUDGET" in ranks[0]
+
+    # A dry run asks the server and changes nothing; a refused one exits 1 with one line.
+    r = oncall(a, "drain", "group", "0", "--dry-run")
+    assert r.returncode == 0 and "would drain" in r.stdout and "other READY groups: 1" in r.stdout
+    assert _state(a, 0) == "READY"
+    r = oncall(a, "undrain", "group", "0", "--dry-run")
+    assert r.returncode == 1 and "409" in r.stderr and "not DRAINING" in r.stderr
+    assert r.stderr.count("\n") == 1
+    assert oncall(a, "describe", "group", "9").returncode == 1
+
+    assert oncall(a, "drain", "group", "0").returncode == 0
+    _wait(a, 0, "DRAINED")
+    desc = oncall(a, "describe", "group", "0").stdout
+    events = desc.split("Events:")[1].split("Runbooks:")[0]
+    assert [ln.split()[-1] for ln in events.strip().splitlines()][-3:] == [
+        "READY",
+        "DRAINING",
+        "DRAINED",
+    ]
+    assert oncall(a, "undrain", "group", "0").returncode == 0
+    assert _state(a, 0) == "READY"
+
+    # A dead rank: the group restarts; describe shows the verdict and points to the runbook.
+    os.kill(pids[1][1], signal.SIGKILL)
+    deadline = time.monotonic() + 90
+    while True:
+        g1 = json.loads(oncall(a, "describe", "group", "1", "-o", "json").stdout)
+        if g1["state"] == "READY" and g1["restarts"] == 1:
+            break
+        assert time.monotonic() < deadline, g1
+        time.sleep(0.5)
+    desc = oncall(a, "describe", "group", "1").stdout
+    assert "dead" in desc.split("Verdicts:")[1] and f"pid {pids[1][1]}" in desc
+    assert "rank-dead" in desc.split("Runbooks:")[1]
+    assert "FAILED" in desc.split("Events:")[1]
+    book = oncall(a, "runbook", "rank-dead")
+    assert book.returncode == 0 and book.stdout.startswith("# A rank died")
+    row = oncall(a, "get", "groups").stdout.splitlines()[2]
+    assert row.split()[:2] == ["1", "READY"] and "dead rank 1" in row
+
+
+def test_oncall_unreachable_and_unknown_runbook() -> None:
+    r = oncall("http://127.0.0.1:9", "get", "groups")
+    assert r.returncode == 3 and "no admin API at http://127.0.0.1:9" in r.stderr
+    r = oncall("http://127.0.0.1:9", "runbook", "no-such-thing")
+    assert r.returncode == 2 and "rank-dead" in r.stderr
+    listing = oncall("http://127.0.0.1:9", "runbook").stdout
+    assert {ln.split()[0] for ln in listing.splitlines()[1:]} == {
+        p.stem for p in (ROOT / "runbooks").glob("*.md")
+    }
