@@ -13,6 +13,8 @@ from pathlib import Path
 
 import httpx
 
+from safeserve.chaos.runner import die_with_parent
+
 
 def two_groups(*extra: str) -> list[str]:
     """Server arguments of the failover setup: two groups of two ranks (alltoall), a 3 s stall
@@ -65,6 +67,7 @@ def start_server(
         stdout=fh,
         stderr=subprocess.STDOUT,
         start_new_session=True,
+        preexec_fn=die_with_parent,  # a pytest killed by a timeout leaves no server behind
         env={**os.environ, **(env or {})},
     )
     url = f"http://127.0.0.1:{port}"

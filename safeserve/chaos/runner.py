@@ -39,6 +39,16 @@ class ServerStartError(RuntimeError):
     pass
 
 
+def die_with_parent() -> None:
+    """In a child before exec (Linux): SIGTERM when the process that started it dies, so a
+    killed chaos run (or test) leaves no server behind; the server's ranks follow it."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -62,7 +72,11 @@ class LocalServer:
         ]
         self.fh = log.open("w")
         self.proc = subprocess.Popen(
-            cmd, stdout=self.fh, stderr=subprocess.STDOUT, start_new_session=True
+            cmd,
+            stdout=self.fh,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=die_with_parent,
         )
         self.url = f"http://127.0.0.1:{self.port}"
         self.admin_url = f"http://127.0.0.1:{self.admin_port}"

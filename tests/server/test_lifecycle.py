@@ -66,3 +66,25 @@ def test_dead_leader_makes_ready_and_requests_fail_fast(server_factory) -> None:
     assert httpx.get(s.url + "/health").status_code == 503
     r = httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": "hi"})
     assert r.status_code == 503 and "Retry-After" in r.headers
+
+
+def test_a_killed_starter_leaves_no_server_behind(tmp_path: Path) -> None:
+    """A server started by tests (or a chaos run) dies with whoever started it, even SIGKILLed."""
+    tests = Path(__file__).resolve().parents[1]
+    script = (
+        f"import sys, time; sys.path.insert(0, {str(tests)!r}); from pathlib import Path\n"
+        "from serving import start_server\n"
+        f"s = start_server(['--tp-size', '2'], Path({str(tmp_path / 'server.log')!r}))\n"
+        "print(s.proc.pid, flush=True); time.sleep(600)\n"
+    )
+    starter = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        server = psutil.Process(int(starter.stdout.readline()))  # type: ignore[union-attr]
+        ranks = server.children(recursive=True)
+        assert len([p for p in ranks if "spawn_main" in " ".join(p.cmdline())]) == 2
+        starter.kill()
+        starter.wait(timeout=10)
+        gone, alive = psutil.wait_procs([server, *ranks], timeout=30)
+        assert not alive, [p.cmdline()[:3] for p in alive]
+    finally:
+        starter.kill()
