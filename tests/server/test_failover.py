@@ -124,9 +124,12 @@ def test_failed_rank_costs_its_group_only_and_no_request(server_factory, sig) ->
         assert not r["errors"], r["errors"]
         assert r["ids"] == ids  # nothing lost, nothing repeated
         assert r["text"] == text
-    # Group 1's streams never stalled for a second, the fault included.
+    # Group 1's streams never waited on group 0: a survivor held up by the failed group would
+    # stall for at least the 3 s stall timeout. (On 2 shared CPU cores, group 0's restart --
+    # importing torch in two processes -- can delay group 1's steps by about a second: CPU
+    # contention, not a wait; CI saw 1.09 s once. The GPU chaos run measures the real TPOT.)
     gaps = [b - a for r in on1 for a, b in zip(r["times"], r["times"][1:], strict=False)]
-    assert max(gaps) < 1.0, max(gaps)
+    assert max(gaps) < 2.0, max(gaps)
     assert _wait_state(s, 0, "READY", 60.0) < 60.0
     g0 = _groups(s)[0]
     assert g0["failures"] == 1 and g0["restarts"] == 1
