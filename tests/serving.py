@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from safeserve.chaos.runner import die_with_parent
+from safeserve.chaos.runner import die_with_parent, free_port
 
 
 def two_groups(*extra: str) -> list[str]:
@@ -32,12 +31,6 @@ def two_groups(*extra: str) -> list[str]:
         "0.5",
         *extra,
     ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -21,6 +21,7 @@ import psutil
 from safeserve.chaos.scenario import ENGINE_ACTIONS, GROUP_ACTIONS, Fault
 
 SIGNALS = {"sigkill": signal.SIGKILL, "sigstop": signal.SIGSTOP, "sigcont": signal.SIGCONT}
+RUNNING = (psutil.STATUS_RUNNING, psutil.STATUS_SLEEPING, psutil.STATUS_DISK_SLEEP)
 VERIFY_S = 1.0  # how long a signal may take to show (a killed process becomes a zombie at once)
 
 
@@ -119,8 +120,8 @@ class Injector:
             rec.verified = st == psutil.STATUS_STOPPED
             self.stopped.add(pid)
         else:
-            st = await _wait_status(pid, tuple(s for s in _RUNNING))
-            rec.verified = st in _RUNNING
+            st = await _wait_status(pid, RUNNING)
+            rec.verified = st in RUNNING
             self.stopped.discard(pid)
         rec.detail = f"pid {pid}: {before} -> {st or 'gone'}"
         return rec
@@ -134,6 +135,3 @@ class Injector:
             except ProcessLookupError:
                 pass
         self.stopped.clear()
-
-
-_RUNNING = (psutil.STATUS_RUNNING, psutil.STATUS_SLEEPING, psutil.STATUS_DISK_SLEEP)

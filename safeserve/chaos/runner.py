@@ -49,7 +49,7 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -59,7 +59,7 @@ class LocalServer:
     """`safeserve serve` with the scenario's arguments, in its own process group."""
 
     def __init__(self, args: list[str], log: Path) -> None:
-        self.port, self.admin_port = _free_port(), _free_port()
+        self.port, self.admin_port = free_port(), free_port()
         self.log = log
         cmd = [sys.executable, "-m", "safeserve.cli", "serve", *args]
         cmd += [
@@ -268,9 +268,11 @@ def run_scenario(
     server = None
     if url is None:
         assert sc.server is not None
-        log = server_log or Path(
-            tempfile.mkstemp(prefix=f"safeserve-chaos-{sc.name}-", suffix=".log")[1]
-        )
+        log = server_log
+        if log is None:
+            fd, name = tempfile.mkstemp(prefix=f"safeserve-chaos-{sc.name}-", suffix=".log")
+            os.close(fd)  # the server's own handle writes it
+            log = Path(name)
         server = LocalServer([*sc.server.args, *extra_args], log)
         print(f"[chaos] starting the server (log: {log})", file=progress)
         server.wait_ready(sc.server.ready_timeout_s, progress)

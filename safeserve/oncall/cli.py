@@ -68,13 +68,15 @@ def main(ns: argparse.Namespace) -> int:
                 )
         elif ns.verb == "describe":
             groups = client.groups()
-            g = client.group(ns.id)
+            g = next((x for x in groups if x["id"] == ns.id), None)
+            if g is None:
+                ids = sorted(x["id"] for x in groups)
+                raise Refused(404, f"no group {ns.id}; groups are {ids}")
             print(
                 json.dumps(g, indent=1) if ns.output == "json" else views.describe_group(g, groups)
             )
         else:
-            path = f"/admin/groups/{ns.id}/{ns.verb}" + ("?dry_run=1" if ns.dry_run else "")
-            r = client._call("POST", path)
+            r = client.act(ns.id, ns.verb, ns.dry_run)
             if ns.output == "json":
                 print(json.dumps(r, indent=1))
             else:

@@ -47,15 +47,10 @@ class AdminClient:
     def groups(self) -> list[dict[str, Any]]:
         return self._call("GET", "/admin/groups")["groups"]
 
-    def group(self, group_id: int) -> dict[str, Any]:
-        for g in self.groups():
-            if g["id"] == group_id:
-                return g
-        ids = sorted(g["id"] for g in self.groups())
-        raise Refused(404, f"no group {group_id}; groups are {ids}")
-
     def config(self) -> dict[str, Any]:
         return self._call("GET", "/admin/config")
 
-    def act(self, group_id: int, action: str) -> dict[str, Any]:
-        return self._call("POST", f"/admin/groups/{group_id}/{action}")
+    def act(self, group_id: int, action: str, dry_run: bool = False) -> dict[str, Any]:
+        """drain / undrain / restart; with `dry_run` the server only checks it."""
+        query = "?dry_run=1" if dry_run else ""
+        return self._call("POST", f"/admin/groups/{group_id}/{action}{query}")
