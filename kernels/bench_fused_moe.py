@@ -163,6 +163,7 @@ def bench_one(
     config: fm.Config | None,
     rotations: int,
     reps: int,
+    breakdown: bool = False,
 ) -> dict[str, Any]:
     num_experts, two_i, hidden = w13.shape
     inter = two_i // 2
@@ -197,7 +198,85 @@ def bench_one(
         bm = cfg["BLOCK_M"]
         align = [(lambda r=r: fm.moe_align(r[2], num_experts, bm)) for r in routings]
         row["align_us"] = statistics.median(graph_times_us(align, max(4, reps // 4)))
+    if breakdown:
+        row["stages_us"] = stage_times_us(routings, w13, w2, cfg, max(4, reps // 2))
     return row
+
+
+def stage_times_us(routings, w13, w2, cfg: fm.Config, reps: int) -> dict[str, float]:
+    """Median time of each launch of a call alone (each its own graph, inputs prepared)."""
+    calls = []
+    for x, w, ids in routings:
+        call = fm.MoeLaunch(x, w13, w2, w, ids, cfg)
+        call.align()
+        call.gate_up()
+        call.down()
+        calls.append(call)
+    stages = {"gate_up": lambda c: c.gate_up()}
+    if calls[0].pair_mode:
+        stages["down"] = lambda c: c.down()
+    else:
+        stages["down"] = lambda c: c.down_sorted()
+        stages["sum_topk"] = lambda c: c.sum_topk()
+    return {
+        name: statistics.median(graph_times_us([lambda c=c, fn=fn: fn(c) for c in calls], reps))
+        for name, fn in stages.items()
+    }
+
+
+if fm.HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _stream_read_kernel(
+        w_ptr, ids_ptr, out_ptr, per_expert, stride_e, CHUNK: tl.constexpr, BLOCK: tl.constexpr
+    ):
+        """Sum one CHUNK of one selected expert's weights (a pure-read roofline)."""
+        slot = tl.program_id(0)
+        part = tl.program_id(1)
+        expert = tl.load(ids_ptr + slot).to(tl.int64)
+        base = w_ptr + expert * stride_e + part * CHUNK
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for i in range(0, CHUNK, BLOCK):
+            offs = i + tl.arange(0, BLOCK)
+            acc += tl.load(base + offs, mask=part * CHUNK + offs < per_expert, other=0.0).to(
+                tl.float32
+            )
+        tl.store(out_ptr + slot * tl.num_programs(1) + part, tl.sum(acc, axis=0))
+
+
+def read_baseline_us(routings, w13, w2, reps: int) -> dict[str, float]:
+    """Best time of a plain Triton read of the routed experts' w13, w2 and both (in sequence):
+    what a kernel that only streams these bytes achieves on this card."""
+    out: dict[str, float] = {}
+    experts = [torch.unique(r[2]).to(torch.int32) for r in routings]
+    for chunk in (16384, 65536, 262144):
+        for block in (2048, 8192):
+            if block > chunk:
+                continue
+
+            def read(w: torch.Tensor, e: torch.Tensor, chunk=chunk, block=block) -> None:
+                per = w[0].numel()
+                parts = triton.cdiv(per, chunk)
+                res = torch.empty(e.numel() * parts, device=w.device)
+                _stream_read_kernel[(e.numel(), parts)](
+                    w, e, res, per, w.stride(0), CHUNK=chunk, BLOCK=block, num_warps=4
+                )
+
+            for name, fn in (
+                ("w13", lambda e: read(w13, e)),
+                ("w2", lambda e: read(w2, e)),
+                ("both", lambda e: (read(w13, e), read(w2, e))),
+            ):
+                t = statistics.median(
+                    graph_times_us([lambda e=e, fn=fn: fn(e) for e in experts], reps)
+                )
+                key = f"read_{name}_us"
+                if t < out.get(key, float("inf")):
+                    out[key] = t
+                    out[f"read_{name}_chunk"] = chunk
+    return out
 
 
 def _short(cfg: fm.Config) -> str:
@@ -222,6 +301,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rotations", type=int, default=8, help="routings replayed round-robin")
     ap.add_argument("--reps", type=int, default=40, help="replays of each routing's graph")
     ap.add_argument("--ceilings", action="store_true", help="also measure HBM and matmul rates")
+    ap.add_argument("--breakdown", action="store_true", help="also time each launch alone")
+    ap.add_argument(
+        "--read-baseline", action="store_true", help="also time a plain read of the same experts"
+    )
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
 
@@ -242,7 +325,12 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for t in [int(v) for v in args.tokens.split(",")]:
         cfg = fm.nearest_config(table, t) if table else None
-        row = bench_one(t, w13, w2, args.top_k, cfg, args.rotations, args.reps)
+        row = bench_one(t, w13, w2, args.top_k, cfg, args.rotations, args.reps, args.breakdown)
+        if args.read_baseline:
+            routings = make_routings(
+                t, args.experts, args.hidden, args.top_k, dtype, args.rotations
+            )
+            row["read_baseline"] = read_baseline_us(routings, w13, w2, args.reps)
         rows.append(row)
         print(
             f"T={t:5d} experts={row['experts_read']:6.1f} floor={row['floor_us']:7.1f}us "
@@ -252,6 +340,9 @@ def main(argv: list[str] | None = None) -> None:
             f"[{_short(row['config'])}]",
             flush=True,
         )
+        for key in ("stages_us", "read_baseline"):
+            if key in row:
+                print(f"    {key}: " + json.dumps({k: round(v, 1) for k, v in row[key].items()}))
     print("\n| tokens | experts read | floor µs | median µs | floor share | TFLOP/s | rel err |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:

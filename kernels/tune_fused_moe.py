@@ -73,6 +73,26 @@ def gemm_space(plan: Plan, which: str) -> list[fm.Config]:
             space += [_k(64, 128, 8, s) for s in (3, 4)]
         else:
             space = [_k(bn, bk, 8, s) for bn in (128, 256) for bk in (64, 128) for s in (3, 4)]
+            space += [_k(128, bk, 4, s) for bk in (64, 128) for s in (3, 4, 5)]
+    if which == "gemm1":  # gate and up as two dots, or as one interleaved dot of twice the width
+        space += [{**k, "interleave": True} for k in space]
+    elif mode.startswith("pair"):  # the decode down projection: also other warp counts
+        space += [
+            _k(bn, bk, w, s)
+            for bn in (16, 32)
+            for bk in (128, 256)
+            for w in (2, 8)
+            for s in (4, 6, 8)
+        ]
+        # its k slots shared by several programs (float32 partials, summed by the last)
+        space += [
+            {**_k(bn, bk, w, st), "split": sp}
+            for bn in (16, 32, 64)
+            for bk in (128, 256)
+            for w in (2, 4)
+            for st in (3, 5)
+            for sp in (2, 4, 8)
+        ]
     n_b = 2 if which == "gemm1" else 1
     return [k for k in space if _smem_ok(bm, k, n_b)]
 

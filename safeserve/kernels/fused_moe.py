@@ -12,12 +12,16 @@ Two launch plans, picked per token count by the tuned config (`"mode"`):
   the ``k`` rows of each token (skipping slots with id -1).
 * ``pair`` (decode, a handful of tokens): no sort at all. Each (token, slot) pair is its own
   row tile for gate/up, and the down kernel loops over the ``k`` slots of one token inside one
-  program, so the top-k sum happens in registers. Two launches in all. Optional ``"pdl": true``
-  launches the down kernel as a programmatic dependent of gate/up and has it prefetch its weights
-  into L2 first; measured slower on an H200 (kernels/RESULTS.md), so no shipped config uses it.
-  ``"gemv": true`` in ``gemm2`` runs the down projection as fp32 FMAs instead of a dot tile
-  (one row per pair needs no tensor cores), which allows BLOCK_N of 4 or 8: more programs
-  stream a decode token's down weights.
+  program, so the top-k sum happens in registers. Two launches in all. ``"split": n`` in
+  ``gemm2`` shares a token's slots among n programs (n times as many programs stream a decode
+  step's down weights); each writes a float32 partial and the last one of a tile sums them in a
+  fixed order. Optional ``"pdl": true`` launches the down kernel as a programmatic dependent of
+  gate/up and has it prefetch its weights into L2 first; measured slower on an H200
+  (kernels/RESULTS.md), so no shipped config uses it.
+
+``"interleave": true`` in ``gemm1`` (both plans) loads gate and up columns alternately into one
+B tile, so one dot of twice the width computes both (one accumulator, wider tensor-core
+instructions); the epilogue splits it.
 
 Every grid depends only on the shapes (never on the routing), so a whole call can be captured in
 a CUDA graph. Tile configs are data: ``configs/E{E}_H{H}_I{I}_{device}.json`` maps a token
@@ -200,6 +204,10 @@ def get_config(
     return nearest_config(table, num_tokens)
 
 
+# Plans with one row per (token, slot) pair and no sort; valid for top_k <= 64.
+_PAIR_MODES = ("pair",)
+
+
 def fit_config(cfg: Config, elem_size: int, top_k: int) -> Config:
     """Shrink a config so its pipelined tiles fit in shared memory for this element size.
 
@@ -207,9 +215,9 @@ def fit_config(cfg: Config, elem_size: int, top_k: int) -> Config:
     valid for top_k <= 64 (the down kernel holds the k ids of a token in registers).
     """
     out = {**cfg, "gemm1": dict(cfg["gemm1"]), "gemm2": dict(cfg["gemm2"])}
-    if out["mode"] == "pair" and top_k > 64:
+    if out["mode"] in _PAIR_MODES and top_k > 64:
         out["mode"] = "sorted"
-    bm = 16 if out["mode"] == "pair" else int(out["BLOCK_M"])
+    bm = 16 if out["mode"] in _PAIR_MODES else int(out["BLOCK_M"])
     out["BLOCK_M"] = bm
     out["pdl"] = bool(cfg.get("pdl", False)) and out["mode"] == "pair" and _pdl_supported()
     for name, n_b in (("gemm1", 2), ("gemm2", 1)):
@@ -372,6 +380,32 @@ if HAS_TRITON:
         start = tl.load(scratch_ptr + E_PAD + ids, mask=ok, other=0)
         tl.store(sorted_ptr + start + rank, offs.to(tl.int32), mask=ok)
 
+    @triton.jit
+    def _mainloop(
+        a_ptrs,
+        b_ptrs,
+        row_ok,
+        acc,
+        K,
+        BLOCK_K: tl.constexpr,
+        EVEN_K: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
+        """acc += A[rows, :K] @ B[:K, cols] for tiles whose K runs along unit strides of both."""
+        offs_k = tl.arange(0, BLOCK_K)
+        for kk in range(0, tl.cdiv(K, BLOCK_K)):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                b = tl.load(b_ptrs)
+            else:
+                k_ok = offs_k < K - kk * BLOCK_K
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
+        return acc
+
     @triton.jit(do_not_specialize=["num_pairs", "num_blocks_m"])
     def _gate_up_kernel(
         x_ptr,
@@ -399,10 +433,13 @@ if HAS_TRITON:
         EVEN_K: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
         USE_PDL: tl.constexpr,
+        INTERLEAVE: tl.constexpr,
     ):
         """out[row, n] = w_pair * silu(x @ gate[e].T) * (x @ up[e].T) for one row tile of one expert.
 
-        N is the intermediate size I; w rows [0, N) are gate, [N, 2N) are up.
+        N is the intermediate size I; w rows [0, N) are gate, [N, 2N) are up. With INTERLEAVE
+        the B tile holds gate and up columns alternately, so one dot of width 2*BLOCK_N does both
+        (wider tensor-core instructions, one accumulator) and the epilogue splits it.
         """
         if USE_PDL:
             # let the down kernel start now: it prefetches its weights while this one streams
@@ -434,32 +471,40 @@ if HAS_TRITON:
             out_rows = pid_m * BLOCK_M + offs_r
             pair = tl.load(sorted_ptr + out_rows)
             row_ok = pair < num_pairs
+        w_e = w_ptr + expert.to(tl.int64) * stride_we
         token = (pair // TOP_K).to(tl.int64)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_nw = offs_n % N
         offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = x_ptr + token[:, None] * stride_xt + offs_k[None, :]
-        g_ptrs = (
-            w_ptr + expert.to(tl.int64) * stride_we + offs_nw[None, :] * stride_wn + offs_k[:, None]
-        )
-        u_ptrs = g_ptrs + N * stride_wn
-        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for kk in range(0, tl.cdiv(K, BLOCK_K)):
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-                bg = tl.load(g_ptrs)
-                bu = tl.load(u_ptrs)
-            else:
-                k_ok = offs_k < K - kk * BLOCK_K
-                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                bg = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
-                bu = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
-            acc_g = tl.dot(a, bg, acc_g, input_precision=DOT_PRECISION)
-            acc_u = tl.dot(a, bu, acc_u, input_precision=DOT_PRECISION)
-            a_ptrs += BLOCK_K
-            g_ptrs += BLOCK_K
-            u_ptrs += BLOCK_K
+        if INTERLEAVE:
+            # column 2j is gate row n_j, column 2j+1 is up row n_j (= row N + n_j of w13)
+            offs_c = tl.arange(0, 2 * BLOCK_N)
+            w_rows = (pid_n * BLOCK_N + offs_c // 2) % N + (offs_c % 2) * N
+            b_ptrs = w_e + w_rows[None, :] * stride_wn + offs_k[:, None]
+            acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
+            acc = _mainloop(a_ptrs, b_ptrs, row_ok, acc, K, BLOCK_K, EVEN_K, DOT_PRECISION)
+            acc_g, acc_u = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
+        else:
+            g_ptrs = w_e + offs_nw[None, :] * stride_wn + offs_k[:, None]
+            u_ptrs = g_ptrs + N * stride_wn
+            acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for kk in range(0, tl.cdiv(K, BLOCK_K)):
+                if EVEN_K:
+                    a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                    bg = tl.load(g_ptrs)
+                    bu = tl.load(u_ptrs)
+                else:
+                    k_ok = offs_k < K - kk * BLOCK_K
+                    a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                    bg = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
+                    bu = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
+                acc_g = tl.dot(a, bg, acc_g, input_precision=DOT_PRECISION)
+                acc_u = tl.dot(a, bu, acc_u, input_precision=DOT_PRECISION)
+                a_ptrs += BLOCK_K
+                g_ptrs += BLOCK_K
+                u_ptrs += BLOCK_K
         route_w = tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
         h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u * route_w[:, None]
         o_ptrs = out_ptr + out_rows[:, None].to(tl.int64) * stride_om + offs_n[None, :]
@@ -512,17 +557,7 @@ if HAS_TRITON:
             w_ptr + expert.to(tl.int64) * stride_we + offs_nw[None, :] * stride_wn + offs_k[:, None]
         )
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for kk in range(0, tl.cdiv(K, BLOCK_K)):
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-                b = tl.load(b_ptrs)
-            else:
-                k_ok = offs_k < K - kk * BLOCK_K
-                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
-            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-            a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K
+        acc = _mainloop(a_ptrs, b_ptrs, row_ok, acc, K, BLOCK_K, EVEN_K, DOT_PRECISION)
         y_ptrs = y_ptr + pair[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
         tl.store(
             y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n[None, :] < N)
@@ -545,6 +580,8 @@ if HAS_TRITON:
         w_ptr,
         out_ptr,
         ids_ptr,
+        part_ptr,
+        sync_ptr,
         num_tokens,
         N,
         K,
@@ -562,44 +599,49 @@ if HAS_TRITON:
         USE_PDL: tl.constexpr,
         K_LINES: tl.constexpr,
         LINE_ELEMS: tl.constexpr,
+        SPLIT: tl.constexpr,
     ):
         """out[t, n] = sum over valid slots s of a[t*k+s] @ down[e_s].T (a is pre-weighted).
+
+        With SPLIT > 1 the k slots of a token are shared by SPLIT programs (more programs stream
+        a decode step's weights): each stores its float32 partial in part [T, SPLIT, N] and bumps
+        the tile's counter in sync; the last to arrive sums the partials in a fixed order (the
+        result does not depend on arrival order), writes out and zeroes the counter again.
 
         With USE_PDL this kernel is launched while the gate/up kernel still runs: it first asks
         L2 for its weight slices (they do not depend on that kernel), then waits for it.
         """
         pid = tl.program_id(0)
-        pid_t = pid % num_tokens
-        pid_n = pid // num_tokens
+        group = pid % SPLIT
+        pid_t = (pid // SPLIT) % num_tokens
+        pid_n = pid // (SPLIT * num_tokens)
         slots = tl.arange(0, K_PAD)
         slot_ids = tl.load(ids_ptr + pid_t * TOP_K + slots, mask=slots < TOP_K, other=-1).to(
             tl.int32
         )
-        offs_r = tl.arange(0, BLOCK_M)
-        row0 = offs_r == 0
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_nw = offs_n % N
-        offs_k = tl.arange(0, BLOCK_K)
-        num_k = tl.cdiv(K, BLOCK_K)
+        n_ok = offs_n < N
         if USE_PDL:
-            # one prefetch per 128-byte line of each [BLOCK_N, K] weight slice
+            # one L2 prefetch per 128-byte line of each valid slot's [BLOCK_N, K] weight slice
             line_k = tl.minimum(tl.arange(0, K_LINES) * LINE_ELEMS, K - 1)
             for j in tl.static_range(TOP_K):
                 e = tl.sum(tl.where(slots == j, slot_ids, 0), axis=0)
                 if e >= 0:
-                    pf = (
-                        w_ptr
-                        + e.to(tl.int64) * stride_we
-                        + offs_nw[:, None] * stride_wn
-                        + line_k[None, :]
-                    )
-                    _prefetch_l2(pf)
+                    pf = w_ptr + e.to(tl.int64) * stride_we + (offs_n % N)[:, None] * stride_wn
+                    _prefetch_l2(pf + line_k[None, :])
             tl.extra.cuda.gdc_wait()
+        slots_per: tl.constexpr = (TOP_K + SPLIT - 1) // SPLIT
+        s_lo = group * slots_per
+        offs_r = tl.arange(0, BLOCK_M)
+        row0 = offs_r == 0
+        offs_nw = offs_n % N
+        offs_k = tl.arange(0, BLOCK_K)
+        num_k = tl.cdiv(K, BLOCK_K)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for it in range(0, TOP_K * num_k):
-            s = it // num_k
+        for it in range(0, slots_per * num_k):
+            s = s_lo + it // num_k
             k0 = (it % num_k) * BLOCK_K
-            expert = tl.sum(tl.where(slots == s, slot_ids, 0), axis=0)
+            expert = tl.sum(tl.where(slots == s, slot_ids + 1, 0), axis=0) - 1  # -1 past TOP_K
             ok = expert >= 0
             pair = (pid_t * TOP_K + s).to(tl.int64)
             a_ptrs = a_ptr + pair * stride_am + (k0 + offs_k)[None, :] + offs_r[:, None] * 0
@@ -619,67 +661,20 @@ if HAS_TRITON:
             acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         res = tl.sum(tl.where(row0[:, None], acc, 0.0), axis=0)
         o_ptrs = out_ptr + pid_t.to(tl.int64) * stride_ot + offs_n
-        tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=offs_n < N)
-
-    @triton.jit
-    def _down_gemv_kernel(
-        a_ptr,
-        w_ptr,
-        out_ptr,
-        ids_ptr,
-        num_tokens,
-        N,
-        K,
-        stride_am,
-        stride_we,
-        stride_wn,
-        stride_ot,
-        TOP_K: tl.constexpr,
-        K_PAD: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-        EVEN_K: tl.constexpr,
-    ):
-        """The pair plan's down projection without tensor cores: out[t, n] = sum over valid
-        slots of a[t*k+s] . down[e_s][n] as fp32 FMAs. With one row per pair a dot tile wastes
-        15 of its 16 rows and needs BLOCK_N >= 16; here BLOCK_N may be 4 or 8, so a decode
-        token's down weights are streamed by many more programs."""
-        pid = tl.program_id(0)
-        pid_t = pid % num_tokens
-        pid_n = pid // num_tokens
-        slots = tl.arange(0, K_PAD)
-        slot_ids = tl.load(ids_ptr + pid_t * TOP_K + slots, mask=slots < TOP_K, other=-1).to(
-            tl.int32
-        )
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_nw = offs_n % N
-        offs_k = tl.arange(0, BLOCK_K)
-        num_k = tl.cdiv(K, BLOCK_K)
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for it in range(0, TOP_K * num_k):
-            s = it // num_k
-            k0 = (it % num_k) * BLOCK_K
-            expert = tl.sum(tl.where(slots == s, slot_ids, 0), axis=0)
-            ok = expert >= 0
-            pair = (pid_t * TOP_K + s).to(tl.int64)
-            a_ptrs = a_ptr + pair * stride_am + k0 + offs_k
-            b_ptrs = (
-                w_ptr
-                + tl.maximum(expert, 0).to(tl.int64) * stride_we
-                + offs_nw[:, None] * stride_wn
-                + (k0 + offs_k)[None, :]
-            )
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=ok, other=0.0)
-                b = tl.load(b_ptrs, mask=ok, other=0.0)
-            else:
-                k_ok = (k0 + offs_k) < K
-                a = tl.load(a_ptrs, mask=k_ok & ok, other=0.0)
-                b = tl.load(b_ptrs, mask=k_ok[None, :] & ok, other=0.0)
-            acc += b.to(tl.float32) * a.to(tl.float32)[None, :]
-        res = tl.sum(acc, axis=1)
-        o_ptrs = out_ptr + pid_t.to(tl.int64) * stride_ot + offs_n
-        tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=offs_n < N)
+        if SPLIT == 1:
+            tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=n_ok)
+        else:
+            parts = part_ptr + (pid_t * SPLIT).to(tl.int64) * N + offs_n
+            tl.store(parts + group * N, res, mask=n_ok)
+            tl.debug_barrier()  # every thread's partial is issued before the release
+            counter = sync_ptr + pid_t * tl.cdiv(N, BLOCK_N) + pid_n
+            if tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT - 1:
+                tl.debug_barrier()
+                total = tl.zeros([BLOCK_N], dtype=tl.float32)
+                for j in tl.static_range(SPLIT):
+                    total += tl.load(parts + j * N, mask=n_ok, other=0.0, cache_modifier=".cg")
+                tl.store(o_ptrs, total.to(out_ptr.dtype.element_ty), mask=n_ok)
+                tl.atomic_xchg(counter, 0)
 
     @triton.jit(do_not_specialize=["num_tokens"])
     def _sum_topk_kernel(
@@ -878,166 +873,214 @@ def fused_moe(
         from safeserve.moe.runner import grouped_experts_torch
 
         return grouped_experts_torch(hidden_states, w13, w2, topk_ids, topk_weights)
-    # The kernels take unit strides on the last dim as given (so their loads vectorise).
-    if hidden_states.stride(1) != 1:
-        hidden_states = hidden_states.contiguous()
-    if w13.stride(2) != 1:
-        w13 = w13.contiguous()
-    if w2.stride(2) != 1:
-        w2 = w2.contiguous()
-    num_tokens, hidden = hidden_states.shape
-    num_experts, two_i, _ = w13.shape
-    inter = two_i // 2
-    top_k = topk_ids.shape[1]
-    out = torch.empty(num_tokens, hidden, dtype=hidden_states.dtype, device=hidden_states.device)
-    if num_tokens == 0 or top_k == 0:
-        return out.zero_()
-    if config is None:
-        config = get_config(num_tokens, num_experts, hidden, inter, top_k)
-    cfg = fit_config(config, hidden_states.element_size(), top_k)
-    ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
-    route_w = topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous()
-    num_pairs = num_tokens * top_k
-    block_m = cfg["BLOCK_M"]
-    g1, g2 = cfg["gemm1"], cfg["gemm2"]
-    pair_mode = cfg["mode"] == "pair"
-    dtype, device = hidden_states.dtype, hidden_states.device
-    # float32 runs are correctness runs (checked against transformers to 1e-4): no tf32 there.
-    dot_precision = "ieee" if dtype == torch.float32 else "tf32"
+    call = MoeLaunch(hidden_states, w13, w2, topk_weights, topk_ids, config)
+    if call.num_pairs == 0:
+        return call.out.zero_()
+    call.align()
+    call.gate_up()
+    call.down()
+    return call.out
 
-    if pair_mode:
-        num_blocks = num_pairs
-        sorted_ids = block_expert = npost = ids  # unused by the pair plan
-        cache = torch.empty(num_pairs, inter, dtype=dtype, device=device)
-    else:
-        sorted_ids, block_expert, npost = moe_align(ids, num_experts, block_m)
-        num_blocks = block_expert.numel()
-        cache = torch.empty(num_blocks * block_m, inter, dtype=dtype, device=device)
 
-    grid1 = (num_blocks * triton.cdiv(inter, g1["BLOCK_N"]),)
-    _gate_up_kernel[grid1](
-        hidden_states,
-        w13,
-        cache,
-        route_w,
-        ids,
-        sorted_ids,
-        block_expert,
-        npost,
-        num_pairs,
-        num_blocks,
-        inter,
-        hidden,
-        hidden_states.stride(0),
-        w13.stride(0),
-        w13.stride(1),
-        cache.stride(0),
-        TOP_K=top_k,
-        BLOCK_M=block_m,
-        BLOCK_N=g1["BLOCK_N"],
-        BLOCK_K=g1["BLOCK_K"],
-        GROUP_M=g1.get("GROUP_M", 1),
-        PAIR_MODE=pair_mode,
-        EVEN_K=hidden % g1["BLOCK_K"] == 0,
-        DOT_PRECISION=dot_precision,
-        USE_PDL=cfg["pdl"],
-        num_warps=g1["num_warps"],
-        num_stages=g1["num_stages"],
-    )
+# Zeroed int32 counters of the split down projection (its last program of a tile sets the tile's
+# counter back to zero), one buffer per (device, stream): launches on one stream run one after
+# another, so they can share it. Graphs captured on one stream and replayed concurrently on
+# several streams would not; the engine replays on one stream per process.
+_SPLIT_COUNTERS: dict[tuple[str, int, int], torch.Tensor] = {}
 
-    if pair_mode and g2.get("gemv", False):
-        grid2 = (num_tokens * triton.cdiv(hidden, g2["BLOCK_N"]),)
-        _down_gemv_kernel[grid2](
+
+def _split_counters(device: torch.device, words: int) -> torch.Tensor:
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device.type, device.index or 0, stream)
+    buf = _SPLIT_COUNTERS.get(key)
+    if buf is None or buf.numel() < words:
+        buf = torch.zeros(max(1024, words), dtype=torch.int32, device=device)
+        _SPLIT_COUNTERS[key] = buf
+    return buf
+
+
+class MoeLaunch:
+    """One `fused_moe` call split into its launches (align, gate/up, down, top-k sum).
+
+    `fused_moe` runs them in order; kernels/bench_fused_moe.py times them one by one.
+    """
+
+    def __init__(
+        self,
+        hidden_states: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        config: Config | None = None,
+    ) -> None:
+        # The kernels take unit strides on the last dim as given (so their loads vectorise).
+        self.x = hidden_states if hidden_states.stride(1) == 1 else hidden_states.contiguous()
+        self.w13 = w13 if w13.stride(2) == 1 else w13.contiguous()
+        self.w2 = w2 if w2.stride(2) == 1 else w2.contiguous()
+        self.num_tokens, self.hidden = hidden_states.shape
+        self.num_experts, two_i, _ = w13.shape
+        self.inter = two_i // 2
+        self.top_k = topk_ids.shape[1]
+        self.num_pairs = self.num_tokens * self.top_k
+        self.dtype, self.device = hidden_states.dtype, hidden_states.device
+        self.out = torch.empty(self.num_tokens, self.hidden, dtype=self.dtype, device=self.device)
+        if config is None:
+            config = get_config(
+                self.num_tokens, self.num_experts, self.hidden, self.inter, self.top_k
+            )
+        self.cfg = fit_config(config, hidden_states.element_size(), self.top_k)
+        self.ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
+        self.route_w = topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous()
+        self.pair_mode = self.cfg["mode"] in _PAIR_MODES
+        # float32 runs are correctness runs (checked against transformers to 1e-4): no tf32 there.
+        self.dot_precision = "ieee" if self.dtype == torch.float32 else "tf32"
+        self.sorted_ids = self.block_expert = self.npost = self.ids  # unused by the pair plan
+        self.num_blocks = self.num_pairs
+        self.cache: torch.Tensor | None = None
+        self.y: torch.Tensor | None = None
+
+    def align(self) -> None:
+        """Sort the pairs by expert (sorted plan) and size the intermediate buffer."""
+        if self.pair_mode:
+            rows = self.num_pairs
+        else:
+            self.sorted_ids, self.block_expert, self.npost = moe_align(
+                self.ids, self.num_experts, self.cfg["BLOCK_M"]
+            )
+            self.num_blocks = self.block_expert.numel()
+            rows = self.num_blocks * self.cfg["BLOCK_M"]
+            self.y = torch.empty(self.num_pairs, self.hidden, dtype=self.dtype, device=self.device)
+        self.cache = torch.empty(rows, self.inter, dtype=self.dtype, device=self.device)
+
+    def gate_up(self) -> None:
+        g1, cache = self.cfg["gemm1"], self.cache
+        assert cache is not None, "align() first"
+        grid = (self.num_blocks * triton.cdiv(self.inter, g1["BLOCK_N"]),)
+        _gate_up_kernel[grid](
+            self.x,
+            self.w13,
             cache,
-            w2,
-            out,
-            ids,
-            num_tokens,
-            hidden,
-            inter,
+            self.route_w,
+            self.ids,
+            self.sorted_ids,
+            self.block_expert,
+            self.npost,
+            self.num_pairs,
+            self.num_blocks,
+            self.inter,
+            self.hidden,
+            self.x.stride(0),
+            self.w13.stride(0),
+            self.w13.stride(1),
             cache.stride(0),
-            w2.stride(0),
-            w2.stride(1),
-            out.stride(0),
-            TOP_K=top_k,
-            K_PAD=next_power_of_2(top_k),
-            BLOCK_N=g2["BLOCK_N"],
-            BLOCK_K=g2["BLOCK_K"],
-            EVEN_K=inter % g2["BLOCK_K"] == 0,
-            num_warps=g2["num_warps"],
-            num_stages=g2["num_stages"],
+            TOP_K=self.top_k,
+            BLOCK_M=self.cfg["BLOCK_M"],
+            BLOCK_N=g1["BLOCK_N"],
+            BLOCK_K=g1["BLOCK_K"],
+            GROUP_M=g1.get("GROUP_M", 1),
+            PAIR_MODE=self.pair_mode,
+            EVEN_K=self.hidden % g1["BLOCK_K"] == 0,
+            DOT_PRECISION=self.dot_precision,
+            USE_PDL=self.cfg["pdl"],
+            INTERLEAVE=bool(g1.get("interleave", False)),
+            num_warps=g1["num_warps"],
+            num_stages=g1["num_stages"],
         )
-        return out
-    if pair_mode:
-        grid2 = (num_tokens * triton.cdiv(hidden, g2["BLOCK_N"]),)
-        _down_pair_kernel[grid2](
+
+    def down(self) -> None:
+        """The down projection, and the top-k sum (in registers for the pair plan)."""
+        if self.pair_mode:
+            self._down_pair()
+        else:
+            self.down_sorted()
+            self.sum_topk()
+
+    def _down_pair(self) -> None:
+        g2, cache, w2, out = self.cfg["gemm2"], self.cache, self.w2, self.out
+        assert cache is not None, "align() first"
+        split = max(1, min(int(g2.get("split", 1)), self.top_k))
+        tiles_n = triton.cdiv(self.hidden, g2["BLOCK_N"])
+        if split > 1:
+            part = torch.empty(self.num_tokens, split, self.hidden, device=self.device)
+            counters = _split_counters(self.device, self.num_tokens * tiles_n)
+        else:
+            part = counters = out  # not read
+        _down_pair_kernel[(self.num_tokens * tiles_n * split,)](
             cache,
             w2,
             out,
-            ids,
-            num_tokens,
-            hidden,
-            inter,
+            self.ids,
+            part,
+            counters,
+            self.num_tokens,
+            self.hidden,
+            self.inter,
             cache.stride(0),
             w2.stride(0),
             w2.stride(1),
             out.stride(0),
-            TOP_K=top_k,
-            K_PAD=next_power_of_2(top_k),
-            BLOCK_M=block_m,
+            TOP_K=self.top_k,
+            K_PAD=next_power_of_2(self.top_k),
+            BLOCK_M=self.cfg["BLOCK_M"],
             BLOCK_N=g2["BLOCK_N"],
             BLOCK_K=g2["BLOCK_K"],
-            EVEN_K=inter % g2["BLOCK_K"] == 0,
-            DOT_PRECISION=dot_precision,
-            USE_PDL=cfg["pdl"],
-            K_LINES=next_power_of_2(triton.cdiv(inter * w2.element_size(), 128)),
+            EVEN_K=self.inter % g2["BLOCK_K"] == 0,
+            DOT_PRECISION=self.dot_precision,
+            USE_PDL=self.cfg["pdl"],
+            K_LINES=next_power_of_2(triton.cdiv(self.inter * w2.element_size(), 128)),
             LINE_ELEMS=128 // w2.element_size(),
+            SPLIT=split,
             num_warps=g2["num_warps"],
             num_stages=g2["num_stages"],
-            launch_pdl=cfg["pdl"],
+            launch_pdl=self.cfg["pdl"],
         )
-        return out
 
-    y = torch.empty(num_pairs, hidden, dtype=dtype, device=device)
-    grid2 = (num_blocks * triton.cdiv(hidden, g2["BLOCK_N"]),)
-    _down_sorted_kernel[grid2](
-        cache,
-        w2,
-        y,
-        sorted_ids,
-        block_expert,
-        npost,
-        num_pairs,
-        num_blocks,
-        hidden,
-        inter,
-        cache.stride(0),
-        w2.stride(0),
-        w2.stride(1),
-        y.stride(0),
-        BLOCK_M=block_m,
-        BLOCK_N=g2["BLOCK_N"],
-        BLOCK_K=g2["BLOCK_K"],
-        GROUP_M=g2.get("GROUP_M", 1),
-        EVEN_K=inter % g2["BLOCK_K"] == 0,
-        DOT_PRECISION=dot_precision,
-        num_warps=g2["num_warps"],
-        num_stages=g2["num_stages"],
-    )
-    block_n = min(1024, next_power_of_2(hidden))
-    _sum_topk_kernel[(num_tokens, triton.cdiv(hidden, block_n))](
-        y,
-        ids,
-        out,
-        num_tokens,
-        hidden,
-        y.stride(0),
-        out.stride(0),
-        TOP_K=top_k,
-        BLOCK_N=block_n,
-        num_warps=4,
-    )
-    return out
+    def down_sorted(self) -> None:
+        g2, cache, w2, y = self.cfg["gemm2"], self.cache, self.w2, self.y
+        assert cache is not None and y is not None, "align() first"
+        grid = (self.num_blocks * triton.cdiv(self.hidden, g2["BLOCK_N"]),)
+        _down_sorted_kernel[grid](
+            cache,
+            w2,
+            y,
+            self.sorted_ids,
+            self.block_expert,
+            self.npost,
+            self.num_pairs,
+            self.num_blocks,
+            self.hidden,
+            self.inter,
+            cache.stride(0),
+            w2.stride(0),
+            w2.stride(1),
+            y.stride(0),
+            BLOCK_M=self.cfg["BLOCK_M"],
+            BLOCK_N=g2["BLOCK_N"],
+            BLOCK_K=g2["BLOCK_K"],
+            GROUP_M=g2.get("GROUP_M", 1),
+            EVEN_K=self.inter % g2["BLOCK_K"] == 0,
+            DOT_PRECISION=self.dot_precision,
+            num_warps=g2["num_warps"],
+            num_stages=g2["num_stages"],
+        )
+
+    def sum_topk(self) -> None:
+        y, out = self.y, self.out
+        assert y is not None, "align() first"
+        block_n = min(1024, next_power_of_2(self.hidden))
+        _sum_topk_kernel[(self.num_tokens, triton.cdiv(self.hidden, block_n))](
+            y,
+            self.ids,
+            out,
+            self.num_tokens,
+            self.hidden,
+            y.stride(0),
+            out.stride(0),
+            TOP_K=self.top_k,
+            BLOCK_N=block_n,
+            num_warps=4,
+        )
 
 
 def fused_topk_softmax(

@@ -189,11 +189,15 @@ def test_cpu_fallback_matches_reference() -> None:
 
 
 def _forced(mode: str, block_m: int) -> fm.Config:
+    """mode: "pair" or "sorted", then "+i" for the interleaved gate/up tile and "+sN"
+    for the down projection's slots shared by N programs (pair plan)."""
+    name, *opts = mode.split("+")
+    split = next((int(o[1:]) for o in opts if o.startswith("s")), 1)
     return {
-        "mode": mode,
+        "mode": name,
         "BLOCK_M": block_m,
-        "gemm1": fm._kcfg(16, 32, 2, 4, 2),
-        "gemm2": fm._kcfg(16, 32, 2, 4, 2),
+        "gemm1": {**fm._kcfg(16, 32, 2, 4, 2), "interleave": "i" in opts},
+        "gemm2": {**fm._kcfg(16, 32, 2, 4, 2), "split": split},
     }
 
 
@@ -203,8 +207,13 @@ def _forced(mode: str, block_m: int) -> fm.Config:
     [
         (1, 8, 64, 32, 2, "pair", 16, 0.0),
         (3, 10, 64, 48, 3, "pair", 16, 0.3),
+        (3, 10, 64, 40, 3, "pair+i", 16, 0.3),  # I not a multiple of BLOCK_N
+        (3, 10, 64, 40, 3, "pair+s2", 16, 0.3),  # k = 3 slots over 2 programs
+        (2, 10, 64, 48, 4, "pair+s4", 16, 0.0),
+        (1, 10, 64, 48, 8, "pair+s3", 16, 0.5),
         (5, 10, 64, 48, 3, "sorted", 16, 0.3),
         (40, 7, 48, 40, 2, "sorted", 32, 0.0),
+        (40, 7, 48, 40, 2, "sorted+i", 32, 0.0),
         (700, 12, 32, 32, 3, "sorted", 16, 0.2),  # > 2048 pairs: the multi-program align
     ],
 )
@@ -214,6 +223,19 @@ def test_interpreter_fused_moe(tokens, experts, hidden, inter, top_k, mode, bloc
     )
     out = fm.fused_moe(x, w13, w2, weights, ids.to(torch.int32), config=_forced(mode, block_m))
     assert _rel_err(out, _reference(x, w13, w2, weights, ids)) < 1e-4
+
+
+@interp
+def test_interpreter_split_down_resets_its_counters() -> None:
+    """The split down projection counts arrivals per tile and zeroes the counter when done."""
+    x, w13, w2, weights, ids = _problem(2, 6, 32, 32, 3, torch.float32, "cpu", seed=4)
+    ref = _reference(x, w13, w2, weights, ids)
+    for split in (2, 3, 2):
+        out = fm.fused_moe(
+            x, w13, w2, weights, ids.to(torch.int32), config=_forced(f"pair+s{split}", 16)
+        )
+        assert _rel_err(out, ref) < 1e-4
+        assert all(int(b.count_nonzero()) == 0 for b in fm._SPLIT_COUNTERS.values())
 
 
 @interp
@@ -250,7 +272,19 @@ GPU_CASES = [
 @needs_cuda
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"T{c[0]}-E{c[1]}-H{c[2]}-I{c[3]}")
 @pytest.mark.parametrize(
-    "mode", ["auto", "pair", "pair_pdl", "pair_gemv4", "pair_gemv8", "sorted16", "sorted64"]
+    "mode",
+    [
+        "auto",
+        "pair",
+        "pair_pdl",
+        "pair_i",
+        "pair_split3",
+        "pair_split8",
+        "sorted16",
+        "sorted64",
+        "sorted64_i",
+        "sorted128_i",
+    ],
 )
 def test_gpu_fused_moe_matches_reference(case, mode: str) -> None:
     tokens, experts, hidden, inter, top_k, dtype, drop = case
@@ -262,16 +296,18 @@ def test_gpu_fused_moe_matches_reference(case, mode: str) -> None:
     )
     if mode == "auto":
         config = None
-    elif mode.startswith("pair_gemv"):
+    elif mode.startswith("pair_split"):
         config = fm.default_config(1, experts, top_k)
-        tile = int(mode.removeprefix("pair_gemv"))
-        config = {**config, "gemm2": {**config["gemm2"], "gemv": True, "BLOCK_N": tile}}
+        split = int(mode.removeprefix("pair_split"))
+        config = {**config, "gemm2": {**config["gemm2"], "split": split}}
     elif mode.startswith("pair"):
         config = {**fm.default_config(1, experts, top_k), "pdl": mode == "pair_pdl"}
     else:
-        bm = int(mode.removeprefix("sorted"))
+        bm = int(mode.removeprefix("sorted").removesuffix("_i"))
         config = fm.default_config(max(1, bm * experts // top_k), experts, top_k)
         config = {**config, "mode": "sorted", "BLOCK_M": bm}
+    if mode.endswith("_i"):  # gate and up as one interleaved dot
+        config = {**config, "gemm1": {**config["gemm1"], "interleave": True}}
     ref = _reference(x, w13, w2, weights, ids)
     for ids_dtype, w_dtype in ((torch.int32, torch.float32), (torch.int64, dtype)):
         out = fm.fused_moe(x, w13, w2, weights.to(w_dtype), ids.to(ids_dtype), config=config)
@@ -295,13 +331,28 @@ def test_gpu_all_slots_dropped_gives_zeros() -> None:
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize(
-    "tokens,plan", [(1, "auto"), (1, "pair_pdl"), (4, "pair_pdl"), (16, "auto"), (4096, "auto")]
+    "tokens,plan",
+    [
+        (1, "auto"),
+        (1, "pair_pdl"),
+        (4, "pair_pdl"),
+        (1, "pair_split4"),
+        (2, "pair_split8"),
+        (16, "auto"),
+        (4096, "auto"),
+    ],
 )
 def test_gpu_cuda_graph_replay(tokens: int, plan: str) -> None:
     """Captured once, replayed on new routing and inputs: no host sync, shape-only grids."""
     x, w13, w2, weights, ids = _problem(tokens, 128, 2048, 768, 8, torch.bfloat16, "cuda", 5)
     static = [x.clone(), weights.clone(), ids.to(torch.int32)]
-    config = None if plan == "auto" else {**fm.default_config(1, 128, 8), "pdl": True}
+    config = None
+    if plan == "pair_pdl":
+        config = {**fm.default_config(1, 128, 8), "pdl": True}
+    elif plan.startswith("pair_split"):
+        config = fm.default_config(1, 128, 8)
+        split = int(plan.removeprefix("pair_split"))
+        config = {**config, "gemm2": {**config["gemm2"], "split": split}}
     fm.fused_moe(x, w13, w2, weights, ids, config=config)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -315,7 +366,15 @@ def test_gpu_cuda_graph_replay(tokens: int, plan: str) -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert not torch.isnan(out).any()
-    assert _rel_err(out, _reference(x2, w13, w2, weights2, ids2)) <= 1e-2
+    ref = _reference(x2, w13, w2, weights2, ids2)
+    assert _rel_err(out, ref) <= 1e-2
+    if plan.startswith("pair_split"):  # its counters are back to zero: replay again
+        assert all(int(b.count_nonzero()) == 0 for b in fm._SPLIT_COUNTERS.values())
+        out.fill_(float("nan"))
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+        assert _rel_err(out, ref) <= 1e-2
 
 
 @pytest.mark.gpu
