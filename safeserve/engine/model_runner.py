@@ -24,6 +24,7 @@ from safeserve.guards.admission import DispatchBuffers, bytes_per_recv_row
 from safeserve.model.loader import DTYPES, build_model, load_model_config
 from safeserve.model.sharding import expert_split, head_split
 from safeserve.moe.dispatch import StepTokens, make_dispatcher
+from safeserve.moe.eplb import balancedness
 
 logger = logging.getLogger(__name__)
 
@@ -173,6 +174,8 @@ class ModelRunner:
             out["memory_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
             if self.startup_peak_bytes is not None:
                 out["memory_startup_peak_bytes"] = self.startup_peak_bytes
+        if self.dispatcher is not None:
+            out.update(balancedness.stats_keys(self.dispatcher.balance))
         if self.buffers is not None:
             st = self.buffers.stats
             out.update(
@@ -246,12 +249,16 @@ class ModelRunner:
                 self.args.seed,
                 greedy_tokens=greedy,
             )
+        if self.dispatcher is not None:
+            self.dispatcher.end_step()  # after sampling: the step's device work is done
         self.last_own_step_s = (time.perf_counter() - start) - (self.comm.wait_s - waited)
         return tokens
 
     def run_plan(self, plan: StepPlan) -> tuple[torch.Tensor | None, list[SeqPlan]]:
         """The forward pass of this rank's part; logits of its sampling rows when it samples."""
         logits, _, sampling = self._run(plan)
+        if self.dispatcher is not None:
+            self.dispatcher.end_step()
         return logits, sampling
 
     def _run(

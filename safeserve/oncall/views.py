@@ -9,6 +9,9 @@ from typing import Any
 
 RUNBOOK_FOR_VERDICT = {"dead": "rank-dead", "stalled": "rank-stalled", "slow": "rank-slow"}
 RECENT_S = 3600.0  # verdicts older than this no longer point to a runbook
+# At or below this balancedness (last 10 passes) the routing counts as skewed: for EP2 it means
+# one rank gets 5x the pairs of the other; for EP4 and more, well above the 1/ep_size floor.
+SKEWED_BALANCEDNESS = 0.6
 
 
 def table(header: list[str], rows: list[list[Any]]) -> str:
@@ -99,13 +102,24 @@ def runbooks_for(
                 (name, f"watchdog verdict {v['kind']} on rank {v['rank']} {_ago(v['at'], now)}")
             )
     cut = sum((r.get("dispatch") or {}).get("dispatch_cut_total", 0) or 0 for r in g["ranks"])
+    skew = []
     if cut:
-        out.append(
-            ("dispatch-skew", f"{cut} dispatches cut into admission rounds: routing is skewed")
-        )
+        skew.append(f"{cut} dispatches cut into admission rounds")
+    balance = (g.get("eplb_balancedness") or {}).get("10")
+    if balance is not None and balance <= SKEWED_BALANCEDNESS:
+        skew.append(f"expert load balancedness {balance:.2f} over the last 10 passes")
+    if skew:
+        out.append(("dispatch-skew", "; ".join(skew) + ": routing is skewed"))
     if not any(x["state"] == "READY" for x in all_groups):
         out.append(("no-ready-group", "no group is READY: new requests get 503"))
     return out
+
+
+def _balance(windows: dict[str, float]) -> str:
+    if not windows:
+        return "-  (one expert-parallel rank, or no MoE pass yet)"
+    parts = ", ".join(f"{windows[w]:.2f} last {w}" for w in sorted(windows, key=int))
+    return f"{parts} passes  (1.00 = even; 1/ep_size = all on one rank)"
 
 
 def describe_group(
@@ -118,6 +132,7 @@ def describe_group(
         f"Requests:     {g['running']} running, {g['waiting']} waiting, {g['in_flight']} in flight",
         f"Failures:     {g['failures']} ({g['restarts']} restarts)",
         f"Last failure: {g.get('last_failure') or '-'}",
+        f"Balance:      {_balance(g.get('eplb_balancedness') or {})}",
         "Ranks:",
         *("  " + line for line in ranks_table([g]).splitlines()),
         "Verdicts:",

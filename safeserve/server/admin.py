@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from safeserve.messages import FAULT_KINDS, InjectFault
+from safeserve.moe.eplb.balancedness import group_balancedness
 from safeserve.server.errors import APIError, bad_request, require_bearer
 from safeserve.server.protocol import decode_json
 
@@ -60,6 +61,12 @@ def group_view(state: ServerState) -> list[dict[str, Any]]:
                 "running": g.stats.num_running if g is not None else 0,
                 "waiting": g.stats.num_waiting if g is not None else 0,
                 "in_flight": sup.load,
+                "eplb_balancedness": {
+                    str(w): round(v, 4)
+                    for w, v in group_balancedness(
+                        [st.stats for _, st in sorted(g.ranks.items())] if g is not None else []
+                    ).items()
+                },
                 "ranks": ranks,
                 "verdicts": [
                     {"kind": v.kind, "rank": v.rank, "reason": v.reason, "at": v.at}

@@ -143,6 +143,14 @@ class Metrics:
             ["group", "rank"],
             registry=r,
         )
+        self.eplb_balancedness = Gauge(
+            PREFIX + "eplb_balancedness",
+            "How evenly a group's expert-parallel ranks share the routed (token, expert) pairs: "
+            "mean over MoE layers of mean/max per-rank load, averaged over the last `window` "
+            "passes; 1 is even, 1/ep_size is all on one rank. Only groups with ep_size > 1.",
+            ["group", "window"],
+            registry=r,
+        )
         self.group_state = Gauge(
             PREFIX + "group_state", "1 for a group's current state.", ["group", "state"], registry=r
         )

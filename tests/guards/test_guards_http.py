@@ -108,6 +108,10 @@ def test_the_incident_small(server_factory, checkpoint: Path) -> None:
         _per_rank(m, "safeserve:dispatch_buffer_peak_bytes"),
     )
     assert all(used[r] <= buf[r] for r in buf)
+    # Experts 0 and 1 (the skew's top-2) both live on rank 0 of 4: balancedness 1/4.
+    assert m[("safeserve:eplb_balancedness", 'group="0",window="10"')] == pytest.approx(
+        0.25, abs=1e-4
+    )
     assert httpx.get(guarded.url + "/ready").status_code == 200  # nothing crashed
 
     unlimited = server_factory([*common, "--dispatch-budget-tokens", "0"])

@@ -34,6 +34,7 @@ class _State:
     sources: list[int]  # tokens per source (one source when replicated)
     rounds: list[list[tuple[int, int]]]
     out: torch.Tensor
+    loads: torch.Tensor | None = None  # [ep_size] (token, expert) pairs per EP rank
 
 
 class AllGatherDispatcher(Dispatcher):
@@ -68,6 +69,10 @@ class AllGatherDispatcher(Dispatcher):
             x = self.comm.all_gather_rows(x, sizes)
             ids = self.comm.all_gather_rows(ids, sizes)
             w = self.comm.all_gather_rows(w, sizes)
+        if self.placement.ep_size > 1:  # every rank sees the round's whole routing
+            per_rank = self.placement.experts_per_rank
+            loads = torch.bincount((ids // per_rank).reshape(-1), minlength=self.placement.ep_size)
+            state.loads = loads if state.loads is None else state.loads + loads
         buf_x, _ = recv_views(self.buffers, x.shape[0])
         if buf_x is not None:
             buf_x.copy_(x)
@@ -84,4 +89,6 @@ class AllGatherDispatcher(Dispatcher):
         state.out[lo:hi] = y
 
     def finish(self, state: _State) -> torch.Tensor:
+        if state.loads is not None:
+            self._record_device_loads(state.loads)
         return state.out

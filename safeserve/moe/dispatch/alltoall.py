@@ -65,10 +65,16 @@ class AllToAllDispatcher(Dispatcher):
         dest = ids // per_rank  # [n, k] destination rank of each choice
         hit = torch.zeros(num_local, world, dtype=torch.bool, device=ids.device)
         hit.scatter_(1, dest, True)
-        matrix = self.comm.all_gather_counts(hit.sum(dim=0))
+        # Per destination: the rows it receives and the (token, expert) pairs it computes (its
+        # load, for the balancedness record), gathered in one collective.
+        pairs = torch.bincount(dest.reshape(-1), minlength=world)
+        gathered = self.comm.all_gather_counts(torch.cat([hit.sum(dim=0), pairs]))
+        matrix = gathered[:, :world]
         # (destination, token) pairs grouped by destination, found without a second host sync.
         order = torch.argsort((~hit.t().reshape(-1)).to(torch.uint8), stable=True)
-        counts = self.comm.to_host(matrix)  # the one host sync: the splits and rounds need it
+        both = self.comm.to_host(gathered)  # the one host sync: the splits and rounds need it
+        counts = [row[:world] for row in both]
+        self.balance.record_layer([sum(row[world + d] for row in both) for d in range(world)])
         self.last_count_matrix = matrix
         step_tokens = sum(step.per_rank) if not step.replicated else step.per_rank[0]
         self._note_share(max(sum(c[d] for c in counts) for d in range(world)), step_tokens)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from safeserve.guards.admission import DispatchBuffers
+from safeserve.moe.eplb.balancedness import BalancednessRecorder
 from safeserve.moe.topk import TopKOutput
 
 
@@ -69,9 +70,34 @@ class Dispatcher(ABC):
     # The largest share of a step's tokens one rank received in any layer of the step.
     step_peak_share: float | None = None
 
+    # Per-rank expert loads of this step's MoE layers still on the device (backends that only
+    # know them there); `end_step` moves them to the recorder in one transfer.
+    _device_loads: list[torch.Tensor] | None = None
+    _balance: BalancednessRecorder | None = None
+
     def begin_step(self, step: StepTokens) -> None:
         self.step = step
         self.step_peak_share = None
+
+    @property
+    def balance(self) -> BalancednessRecorder:
+        """Balancedness of this group's passes (recorded by backends with ep_size > 1)."""
+        if self._balance is None:
+            self._balance = BalancednessRecorder()
+        return self._balance
+
+    def _record_device_loads(self, loads: torch.Tensor) -> None:
+        if self._device_loads is None:
+            self._device_loads = []
+        self._device_loads.append(loads)
+
+    def end_step(self) -> None:
+        """Closes the step's pass in the balancedness record (after the step's last layer)."""
+        if self._device_loads:
+            for loads in torch.stack(self._device_loads).tolist():
+                self.balance.record_layer(loads)
+            self._device_loads = []
+        self.balance.end_pass()
 
     def _note_share(self, received_by_busiest: int, step_tokens: int) -> None:
         if step_tokens > 0:

@@ -1,0 +1,1 @@
+"""Expert-parallel load balancing: the load statistics (balancedness) it acts on."""

@@ -1,0 +1,73 @@
+"""How evenly a group's expert-parallel ranks share the routed work.
+
+Per forward pass and MoE layer l, `load[l][g]` = routed (token, expert) pairs that rank g's
+experts compute. A layer's balancedness is `(mean_g load + 1e-5) / (max_g load + 1e-5)`, in
+(0, 1], 1 when every rank gets the same work and 1/G when one of G ranks gets it all; a pass's
+balancedness is the mean over its MoE layers (the peer EPLB's definition, REFERENCE.md §3).
+Exported as `safeserve:eplb_balancedness`, the mean over the last 10, 100 and 1000 passes.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping, Sequence
+
+WINDOWS = (10, 100, 1000)
+_EPS = 1e-5
+
+
+def layer_balancedness(loads: Sequence[float]) -> float:
+    """(mean + 1e-5) / (max + 1e-5) of one layer's per-rank loads."""
+    if not loads:
+        raise ValueError("no ranks")
+    return (sum(loads) / len(loads) + _EPS) / (max(loads) + _EPS)
+
+
+class BalancednessRecorder:
+    """Collects one pass's per-layer loads; keeps the balancedness of the last 1000 passes."""
+
+    def __init__(self) -> None:
+        self._layers: list[float] = []
+        self._passes: deque[float] = deque(maxlen=max(WINDOWS))
+
+    def record_layer(self, loads: Sequence[float]) -> None:
+        self._layers.append(layer_balancedness(loads))
+
+    def end_pass(self) -> float | None:
+        """Closes the pass; its balancedness, or None when it ran no MoE layer (not counted)."""
+        if not self._layers:
+            return None
+        value = sum(self._layers) / len(self._layers)
+        self._layers = []
+        self._passes.append(value)
+        return value
+
+    @property
+    def passes(self) -> int:
+        return len(self._passes)
+
+    def window_means(self) -> dict[int, float]:
+        """Mean balancedness over the last w passes (fewer while fewer have run), per window."""
+        if not self._passes:
+            return {}
+        recent = list(self._passes)
+        return {w: sum(recent[-w:]) / len(recent[-w:]) for w in WINDOWS}
+
+
+def stats_keys(recorder: BalancednessRecorder) -> dict[str, float]:
+    """What a rank's heartbeat carries: `eplb_balancedness_{window}` per window."""
+    return {f"eplb_balancedness_{w}": v for w, v in recorder.window_means().items()}
+
+
+def group_balancedness(rank_stats: Sequence[Mapping]) -> dict[int, float]:
+    """A group's balancedness per window, from its ranks' heartbeat stats (lowest rank first).
+
+    Every rank of a group records the same values; the first rank that has them speaks.
+    """
+    for stats in rank_stats:
+        found = {
+            w: stats[f"eplb_balancedness_{w}"] for w in WINDOWS if f"eplb_balancedness_{w}" in stats
+        }
+        if found:
+            return found
+    return {}
