@@ -25,6 +25,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from safeserve.kernels import fused_moe as fm  # noqa: E402
+from safeserve.kernels import moe_align as ma  # noqa: E402
+from safeserve.kernels import moe_config as mc  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: smoke runs (TRITON_INTERPRET=1)
 HBM_READ_BW = 4.24e12  # bytes/s, measured H200 read ceiling (REFERENCE.md §6)
@@ -160,7 +162,7 @@ def bench_one(
     w13: torch.Tensor,
     w2: torch.Tensor,
     top_k: int,
-    config: fm.Config | None,
+    config: mc.Config | None,
     rotations: int,
     reps: int,
     breakdown: bool = False,
@@ -168,7 +170,7 @@ def bench_one(
     num_experts, two_i, hidden = w13.shape
     inter = two_i // 2
     routings = make_routings(num_tokens, num_experts, hidden, top_k, w13.dtype, rotations)
-    cfg = config or fm.get_config(num_tokens, num_experts, hidden, inter, top_k)
+    cfg = config or mc.get_config(num_tokens, num_experts, hidden, inter, top_k)
     fns = [(lambda r=r: fm.fused_moe(r[0], w13, w2, r[1], r[2], config=cfg)) for r in routings]
     times = graph_times_us(fns, reps)
     distinct = [int(torch.unique(r[2]).numel()) for r in routings]
@@ -196,14 +198,14 @@ def bench_one(
     }
     if cfg["mode"] == "sorted":
         bm = cfg["BLOCK_M"]
-        align = [(lambda r=r: fm.moe_align(r[2], num_experts, bm)) for r in routings]
+        align = [(lambda r=r: ma.moe_align(r[2], num_experts, bm)) for r in routings]
         row["align_us"] = statistics.median(graph_times_us(align, max(4, reps // 4)))
     if breakdown:
         row["stages_us"] = stage_times_us(routings, w13, w2, cfg, max(4, reps // 2))
     return row
 
 
-def stage_times_us(routings, w13, w2, cfg: fm.Config, reps: int) -> dict[str, float]:
+def stage_times_us(routings, w13, w2, cfg: mc.Config, reps: int) -> dict[str, float]:
     """Median time of each launch of a call alone (each its own graph, inputs prepared)."""
     calls = []
     for x, w, ids in routings:
@@ -279,10 +281,10 @@ def read_baseline_us(routings, w13, w2, reps: int) -> dict[str, float]:
     return out
 
 
-def _short(cfg: fm.Config) -> str:
+def _short(cfg: mc.Config) -> str:
     g1, g2 = cfg["gemm1"], cfg["gemm2"]
 
-    def k(c: fm.Config) -> str:
+    def k(c: mc.Config) -> str:
         return f"{c['BLOCK_N']}x{c['BLOCK_K']}w{c['num_warps']}s{c['num_stages']}"
 
     pdl = "+pdl" if cfg.get("pdl") else ""
@@ -309,7 +311,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
 
     dtype = getattr(torch, args.dtype)
-    table = fm.load_config_table(args.configs) if args.configs else None
+    table = mc.load_config_table(args.configs) if args.configs else None
     w13, w2 = make_weights(args.experts, args.hidden, args.inter, dtype)
     meta: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
@@ -324,7 +326,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"# measured: {meta['measured']}", flush=True)
     rows = []
     for t in [int(v) for v in args.tokens.split(",")]:
-        cfg = fm.nearest_config(table, t) if table else None
+        cfg = mc.nearest_config(table, t) if table else None
         row = bench_one(t, w13, w2, args.top_k, cfg, args.rotations, args.reps, args.breakdown)
         if args.read_baseline:
             routings = make_routings(

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_fused_moe import _short, bench_one, make_weights  # noqa: E402
 
-from safeserve.kernels import fused_moe as fm  # noqa: E402
+from safeserve.kernels import moe_config as mc  # noqa: E402
 
 
 def main() -> int:
@@ -41,13 +41,13 @@ def main() -> int:
     path = (
         Path(ns.base)
         if ns.base
-        else fm.CONFIG_DIR / fm.config_file_name(e, h, i, torch.cuda.get_device_name())
+        else mc.CONFIG_DIR / mc.config_file_name(e, h, i, torch.cuda.get_device_name())
     )
     table = json.loads(path.read_text())
     cands = json.loads(Path(ns.candidates).read_text())
     rows = []
     for t in [int(x) for x in ns.tokens.split(",")]:
-        current = fm.nearest_config({int(kk): v for kk, v in table["configs"].items()}, t)
+        current = mc.nearest_config({int(kk): v for kk, v in table["configs"].items()}, t)
         results = []
         for cfg in [current, *cands]:
             cfg = {kk: v for kk, v in cfg.items() if kk != "tuned_us"}

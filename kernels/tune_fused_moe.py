@@ -40,21 +40,22 @@ from bench_fused_moe import (  # noqa: E402
 )
 
 from safeserve.kernels import fused_moe as fm  # noqa: E402
+from safeserve.kernels import moe_config as mc  # noqa: E402
 
 Plan = tuple[str, int]  # (mode, BLOCK_M); mode "pair_pdl" = pair plan with dependent launch
-_SMEM_LIMIT = fm._SMEM_BUDGET
+_SMEM_LIMIT = mc.SMEM_BUDGET
 
 
-def _k(bn: int, bk: int, warps: int, stages: int, group_m: int = 8) -> fm.Config:
-    return fm._kcfg(bn, bk, group_m, warps, stages)
+def _k(bn: int, bk: int, warps: int, stages: int, group_m: int = 8) -> mc.Config:
+    return mc.kcfg(bn, bk, group_m, warps, stages)
 
 
-def _smem_ok(bm: int, k: fm.Config, n_b: int, elem: int = 2) -> bool:
+def _smem_ok(bm: int, k: mc.Config, n_b: int, elem: int = 2) -> bool:
     per_stage = (bm * k["BLOCK_K"] + n_b * k["BLOCK_K"] * k["BLOCK_N"]) * elem
     return per_stage * k["num_stages"] <= _SMEM_LIMIT
 
 
-def gemm_space(plan: Plan, which: str) -> list[fm.Config]:
+def gemm_space(plan: Plan, which: str) -> list[mc.Config]:
     """Candidate tiles for one kernel of one plan (pruned by shared memory)."""
     mode, bm = plan
     if bm == 16:
@@ -97,7 +98,7 @@ def gemm_space(plan: Plan, which: str) -> list[fm.Config]:
     return [k for k in space if _smem_ok(bm, k, n_b)]
 
 
-def default_kernel(plan: Plan, which: str) -> fm.Config:
+def default_kernel(plan: Plan, which: str) -> mc.Config:
     mode, bm = plan
     if bm == 16:
         pair = mode.startswith("pair")
@@ -125,13 +126,13 @@ def plans_for(num_tokens: int, top_k: int, num_experts: int) -> list[Plan]:
     return plans
 
 
-def full(plan: Plan, g1: fm.Config, g2: fm.Config) -> fm.Config:
+def full(plan: Plan, g1: mc.Config, g2: mc.Config) -> mc.Config:
     if plan[0] == "pair_pdl":
         return {"mode": "pair", "pdl": True, "BLOCK_M": plan[1], "gemm1": g1, "gemm2": g2}
     return {"mode": plan[0], "BLOCK_M": plan[1], "gemm1": g1, "gemm2": g2}
 
 
-def candidates(plan: Plan) -> list[fm.Config]:
+def candidates(plan: Plan) -> list[mc.Config]:
     d1, d2 = default_kernel(plan, "gemm1"), default_kernel(plan, "gemm2")
     out = [full(plan, g, d2) for g in gemm_space(plan, "gemm1")]
     out += [full(plan, d1, g) for g in gemm_space(plan, "gemm2")]
@@ -150,7 +151,7 @@ def _worker_init(shape: tuple[int, int, int, int]) -> None:
     _WORKER["routing"] = make_routings(4, e, h, k, torch.bfloat16, 1)[0]
 
 
-def _worker_compile(cfg: fm.Config) -> str | None:
+def _worker_compile(cfg: mc.Config) -> str | None:
     x, w, ids = _WORKER["routing"]
     try:
         fm.fused_moe(x, _WORKER["w13"], _WORKER["w2"], w, ids, config=cfg)
@@ -161,7 +162,7 @@ def _worker_compile(cfg: fm.Config) -> str | None:
     return None
 
 
-def compile_all(cfgs: list[fm.Config], shape: tuple[int, int, int, int], workers: int) -> set[str]:
+def compile_all(cfgs: list[mc.Config], shape: tuple[int, int, int, int], workers: int) -> set[str]:
     """Compile every candidate in a process pool; returns the keys of those that failed."""
     failed: set[str] = set()
     ctx = mp.get_context("spawn")
@@ -176,19 +177,19 @@ def compile_all(cfgs: list[fm.Config], shape: tuple[int, int, int, int], workers
 # ---- timing ---------------------------------------------------------------------------------
 
 
-def time_config(cfg: fm.Config, routings, w13, w2, reps: int) -> float:
+def time_config(cfg: mc.Config, routings, w13, w2, reps: int) -> float:
     fns = [(lambda r=r: fm.fused_moe(r[0], w13, w2, r[1], r[2], config=cfg)) for r in routings]
     return statistics.median(graph_times_us(fns, reps))
 
 
 def tune_tokens(
     num_tokens: int, w13, w2, top_k: int, rotations: int, reps: int, failed: set[str]
-) -> tuple[fm.Config, float, list[dict[str, Any]]]:
+) -> tuple[mc.Config, float, list[dict[str, Any]]]:
     num_experts, _, hidden = w13.shape
     routings = make_routings(num_tokens, num_experts, hidden, top_k, w13.dtype, rotations)
     log: list[dict[str, Any]] = []
 
-    def timed(cfg: fm.Config) -> float:
+    def timed(cfg: mc.Config) -> float:
         if json.dumps(cfg, sort_keys=True) in failed:
             return float("inf")
         try:
@@ -243,7 +244,7 @@ def main(argv: list[str] | None = None) -> None:
     shape = (args.experts, args.hidden, args.inter, args.top_k)
     plans = sorted({p for t in tokens for p in plans_for(t, args.top_k, args.experts)})
     cfgs = list(itertools.chain.from_iterable(candidates(p) for p in plans))
-    cfgs += [fm.default_config(t, args.experts, args.top_k) for t in tokens]
+    cfgs += [mc.default_config(t, args.experts, args.top_k) for t in tokens]
     uniq = list({json.dumps(c, sort_keys=True): c for c in cfgs}.values())
     print(f"compiling {len(uniq)} configs on {args.workers} workers", flush=True)
     failed = compile_all(uniq, shape, args.workers)
@@ -254,7 +255,7 @@ def main(argv: list[str] | None = None) -> None:
     for t in tokens:
         if time.time() - t0 > args.budget_s:
             print(f"budget spent: T={t} keeps the default config", flush=True)
-            table[str(t)] = fm.default_config(t, args.experts, args.top_k)
+            table[str(t)] = mc.default_config(t, args.experts, args.top_k)
             continue
         cfg, us, _ = tune_tokens(t, w13, w2, args.top_k, args.rotations, args.reps, failed)
         x, w, ids = make_routings(t, args.experts, args.hidden, args.top_k, w13.dtype, 1, 99)[0]
@@ -263,7 +264,7 @@ def main(argv: list[str] | None = None) -> None:
         err = ((out - ref).norm() / ref.norm()).item()
         if not err <= 1e-2:
             print(f"T={t}: best config WRONG (rel err {err:.1e}); keeping the default", flush=True)
-            cfg = fm.default_config(t, args.experts, args.top_k)
+            cfg = mc.default_config(t, args.experts, args.top_k)
         table[str(t)] = {**cfg, "tuned_us": round(us, 2)}
         print(f"T={t}: best {us:.1f} us err {err:.1e} {cfg}", flush=True)
     meta = {

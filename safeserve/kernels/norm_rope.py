@@ -20,30 +20,9 @@ of the model and the oracles of the GPU tests.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-try:  # optional dependency, as in fused_moe
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover
-    triton = None
-    tl = None
-
-HAS_TRITON = triton is not None
-
-
-def use_kernels(t: torch.Tensor) -> bool:
-    """True where the Triton kernels run for tensors like `t`."""
-    if not HAS_TRITON:
-        return False
-    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def _next_pow2(n: int) -> int:
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
-
+from safeserve.kernels.common import HAS_TRITON, next_power_of_2, tl, triton, use_kernels
 
 # ---------------------------------------------------------------------------------------------
 # Torch references (the model's CPU path; transformers' numerics).
@@ -111,7 +90,7 @@ def rms_norm(
         summed = torch.empty_like(x)
     if num_rows == 0:
         return out, summed
-    block = _next_pow2(hidden)
+    block = next_power_of_2(hidden)
     _rms_norm_kernel[(num_rows,)](
         x,
         res,
@@ -186,7 +165,7 @@ def qk_norm_rope_store(
         k_cache.stride(0),
         k_cache.stride(1),
         eps,
-        HALF_PAD=_next_pow2(half),
+        HALF_PAD=next_power_of_2(half),
         num_warps=1 if head_dim <= 128 else 2,
     )
     return q

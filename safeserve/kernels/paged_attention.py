@@ -17,34 +17,14 @@ CPU runs never reach the kernels (unless TRITON_INTERPRET=1).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-try:  # optional dependency, as in fused_moe
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover
-    triton = None
-    tl = None
-
-HAS_TRITON = triton is not None
+from safeserve.kernels.common import HAS_TRITON, next_power_of_2, tl, triton, use_kernels
 
 # Tokens one program loads per iteration, and the programs a decode launch aims for (about four
 # per multiprocessor on an H100/H200), which sets how finely a short batch splits its contexts.
 _BLOCK_N = 64
 _TARGET_PROGRAMS = 512
-
-
-def use_kernels(t: torch.Tensor) -> bool:
-    """True where the Triton kernels run for tensors like `t`."""
-    if not HAS_TRITON:
-        return False
-    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def _next_pow2(n: int) -> int:
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -115,7 +95,7 @@ def store_kv(
     k = k if k.stride(2) == 1 else k.contiguous()
     v = v if v.stride(2) == 1 else v.contiguous()
     width = num_kv_heads * head_dim
-    block = min(1024, _next_pow2(width))
+    block = min(1024, next_power_of_2(width))
     _store_kv_kernel[(num_tokens, triton.cdiv(width, block))](
         k,
         v,
@@ -172,8 +152,8 @@ def paged_decode(
     splits = decode_splits(batch, num_kv_heads, max_context)
     split_len = triton.cdiv(triton.cdiv(max_context, splits), _BLOCK_N) * _BLOCK_N
     splits = triton.cdiv(max_context, split_len)
-    d_pad = _next_pow2(head_dim)
-    g_pad = max(16, _next_pow2(group))
+    d_pad = next_power_of_2(head_dim)
+    g_pad = max(16, next_power_of_2(group))
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     common = dict(
         HEAD_DIM=head_dim,
@@ -246,7 +226,7 @@ def paged_decode(
         out.stride(1),
         HEAD_DIM=head_dim,
         D_PAD=d_pad,
-        S_BLOCK=min(64, _next_pow2(splits)),
+        S_BLOCK=min(64, next_power_of_2(splits)),
         num_warps=4,
     )
     return out

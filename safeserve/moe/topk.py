@@ -44,7 +44,7 @@ class Router(torch.nn.Module):
         logits = F.linear(hidden_states, self.weight)
         if logits.is_cuda and self.skew_expert is None:
             # One Triton kernel: the same float32 math, the weights' cast and the id mapping.
-            from safeserve.kernels.fused_moe import fused_topk_softmax
+            from safeserve.kernels.topk_softmax import fused_topk_softmax
 
             weights, ids = fused_topk_softmax(
                 logits, self.top_k, self.renormalize, hidden_states.dtype, self.logical_to_physical

@@ -11,6 +11,9 @@ import pytest
 import torch
 
 from safeserve.kernels import fused_moe as fm
+from safeserve.kernels import moe_align as ma
+from safeserve.kernels import moe_config as mc
+from safeserve.kernels import topk_softmax as tk
 from safeserve.moe.runner import grouped_experts_torch
 
 HAS_CUDA = torch.cuda.is_available() and fm.HAS_TRITON
@@ -62,8 +65,8 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def _check_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> None:
     """Ids equal as sets per row (up to exact ties at the k-th place); weights to 1e-5."""
-    w, i = fm.fused_topk_softmax(logits, top_k, renormalize)
-    rw, ri = fm.topk_softmax_torch(logits, top_k, renormalize)
+    w, i = tk.fused_topk_softmax(logits, top_k, renormalize)
+    rw, ri = tk.topk_softmax_torch(logits, top_k, renormalize)
     assert w.dtype == torch.float32 and i.dtype == torch.int32 and i.shape == ri.shape
     probs = torch.softmax(logits.float(), dim=-1).cpu()
     for row, (a, b) in enumerate(zip(i.cpu(), ri.cpu(), strict=True)):
@@ -76,8 +79,8 @@ def _check_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> None:
 
 
 def _check_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> None:
-    got = fm.moe_align(topk_ids, num_experts, block_m)
-    want = fm.moe_align_torch(topk_ids.cpu(), num_experts, block_m)
+    got = ma.moe_align(topk_ids, num_experts, block_m)
+    want = ma.moe_align_torch(topk_ids.cpu(), num_experts, block_m)
     sorted_ids, block_expert, npost = (t.cpu() for t in got)
     assert sorted_ids.shape == want[0].shape and block_expert.shape == want[1].shape
     assert torch.equal(npost, want[2])
@@ -102,8 +105,8 @@ def test_align_torch_layout(seed: int) -> None:
     block_m = [16, 32, 64][seed % 3]
     pairs = int(torch.randint(1, 600, (1,), generator=gen))
     ids = torch.randint(-1, num_experts, (pairs, 1), generator=gen)
-    sorted_ids, block_expert, npost = fm.moe_align_torch(ids, num_experts, block_m)
-    max_blocks = fm.max_padded_blocks(pairs, num_experts, block_m)
+    sorted_ids, block_expert, npost = ma.moe_align_torch(ids, num_experts, block_m)
+    max_blocks = ma.max_padded_blocks(pairs, num_experts, block_m)
     assert sorted_ids.numel() == max_blocks * block_m and block_expert.numel() == max_blocks
     rows = int(npost)
     assert rows % block_m == 0 and rows <= sorted_ids.numel()
@@ -121,34 +124,34 @@ def test_align_torch_layout(seed: int) -> None:
 
 
 def test_max_padded_blocks_is_tight_for_one_token() -> None:
-    assert fm.max_padded_blocks(8, 128, 16) == 8
-    assert fm.max_padded_blocks(0, 128, 16) == 0
+    assert ma.max_padded_blocks(8, 128, 16) == 8
+    assert ma.max_padded_blocks(0, 128, 16) == 0
     # worst case: every expert gets one pair more than a multiple of the tile
-    assert fm.max_padded_blocks(128 * 17, 128, 16) == 128 * 2
+    assert ma.max_padded_blocks(128 * 17, 128, 16) == 128 * 2
 
 
 def test_config_lookup_nearest(tmp_path: Path) -> None:
     table = {
-        "1": fm.default_config(1, 128, 8),
-        "64": fm.default_config(64, 128, 8),
-        "4096": fm.default_config(4096, 128, 8),
+        "1": mc.default_config(1, 128, 8),
+        "64": mc.default_config(64, 128, 8),
+        "4096": mc.default_config(4096, 128, 8),
     }
     table["64"]["tag"] = "sixty-four"
-    name = fm.config_file_name(128, 2048, 768, "NVIDIA H200")
+    name = mc.config_file_name(128, 2048, 768, "NVIDIA H200")
     assert name == "E128_H2048_I768_NVIDIA_H200.json"
     (tmp_path / name).write_text(json.dumps({"meta": {}, "configs": table}))
-    cfg = fm.get_config(50, 128, 2048, 768, 8, device_name="NVIDIA H200", config_dir=tmp_path)
+    cfg = mc.get_config(50, 128, 2048, 768, 8, device_name="NVIDIA H200", config_dir=tmp_path)
     assert cfg["tag"] == "sixty-four"
-    assert fm.get_config(3000, 128, 2048, 768, 8, "NVIDIA H200", tmp_path)["BLOCK_M"] == 128
+    assert mc.get_config(3000, 128, 2048, 768, 8, "NVIDIA H200", tmp_path)["BLOCK_M"] == 128
     # no file for this shape -> heuristic default
-    other = fm.get_config(50, 60, 2048, 768, 8, device_name="NVIDIA H200", config_dir=tmp_path)
-    assert other == fm.default_config(50, 60, 8)
+    other = mc.get_config(50, 60, 2048, 768, 8, device_name="NVIDIA H200", config_dir=tmp_path)
+    assert other == mc.default_config(50, 60, 8)
 
 
 def test_shipped_config_files_are_valid() -> None:
-    files = sorted(fm.CONFIG_DIR.glob("*.json"))
+    files = sorted(mc.CONFIG_DIR.glob("*.json"))
     for path in files:
-        table = fm.load_config_table(str(path))
+        table = mc.load_config_table(str(path))
         assert table, path
         for tokens, cfg in table.items():
             assert tokens >= 1
@@ -163,14 +166,14 @@ def test_fit_config_shrinks_for_fp32() -> None:
     cfg = {
         "mode": "sorted",
         "BLOCK_M": 128,
-        "gemm1": fm._kcfg(128, 128, 8, 8, 5),
-        "gemm2": fm._kcfg(256, 128, 8, 8, 5),
+        "gemm1": mc.kcfg(128, 128, 8, 8, 5),
+        "gemm2": mc.kcfg(256, 128, 8, 8, 5),
     }
-    small = fm.fit_config(cfg, 4, 8)
+    small = mc.fit_config(cfg, 4, 8)
     for name, n_b in (("gemm1", 2), ("gemm2", 1)):
         k = small[name]
         per_stage = (128 * k["BLOCK_K"] + n_b * k["BLOCK_K"] * k["BLOCK_N"]) * 4
-        assert per_stage * k["num_stages"] <= fm._SMEM_BUDGET
+        assert per_stage * k["num_stages"] <= mc.SMEM_BUDGET
     assert cfg["gemm1"]["num_stages"] == 5  # the input is not modified
 
 
@@ -179,7 +182,7 @@ def test_cpu_fallback_matches_reference() -> None:
     x, w13, w2, weights, ids = _problem(5, 6, 32, 16, 2, torch.float32, "cpu", seed=1, drop=0.2)
     out = fm.fused_moe(x, w13, w2, weights, ids)
     assert _rel_err(out, _reference(x, w13, w2, weights, ids)) < 1e-5
-    w, i = fm.fused_topk_softmax(torch.randn(7, 10), 3, True)
+    w, i = tk.fused_topk_softmax(torch.randn(7, 10), 3, True)
     assert w.dtype == torch.float32 and i.dtype == torch.int32 and i.shape == (7, 3)
 
 
@@ -188,7 +191,7 @@ def test_cpu_fallback_matches_reference() -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _forced(mode: str, block_m: int) -> fm.Config:
+def _forced(mode: str, block_m: int) -> mc.Config:
     """mode: "pair" or "sorted", then "+i" for the interleaved gate/up tile and "+sN"
     for the down projection's slots shared by N programs (pair plan)."""
     name, *opts = mode.split("+")
@@ -196,8 +199,8 @@ def _forced(mode: str, block_m: int) -> fm.Config:
     return {
         "mode": name,
         "BLOCK_M": block_m,
-        "gemm1": {**fm._kcfg(16, 32, 2, 4, 2), "interleave": "i" in opts},
-        "gemm2": {**fm._kcfg(16, 32, 2, 4, 2), "split": split},
+        "gemm1": {**mc.kcfg(16, 32, 2, 4, 2), "interleave": "i" in opts},
+        "gemm2": {**mc.kcfg(16, 32, 2, 4, 2), "split": split},
     }
 
 
@@ -297,14 +300,14 @@ def test_gpu_fused_moe_matches_reference(case, mode: str) -> None:
     if mode == "auto":
         config = None
     elif mode.startswith("pair_split"):
-        config = fm.default_config(1, experts, top_k)
+        config = mc.default_config(1, experts, top_k)
         split = int(mode.removeprefix("pair_split"))
         config = {**config, "gemm2": {**config["gemm2"], "split": split}}
     elif mode.startswith("pair"):
-        config = {**fm.default_config(1, experts, top_k), "pdl": mode == "pair_pdl"}
+        config = {**mc.default_config(1, experts, top_k), "pdl": mode == "pair_pdl"}
     else:
         bm = int(mode.removeprefix("sorted").removesuffix("_i"))
-        config = fm.default_config(max(1, bm * experts // top_k), experts, top_k)
+        config = mc.default_config(max(1, bm * experts // top_k), experts, top_k)
         config = {**config, "mode": "sorted", "BLOCK_M": bm}
     if mode.endswith("_i"):  # gate and up as one interleaved dot
         config = {**config, "gemm1": {**config["gemm1"], "interleave": True}}
@@ -323,7 +326,7 @@ def test_gpu_fused_moe_matches_reference(case, mode: str) -> None:
 def test_gpu_all_slots_dropped_gives_zeros() -> None:
     x, w13, w2, weights, ids = _problem(9, 16, 256, 64, 4, torch.bfloat16, "cuda", 3)
     ids = torch.full_like(ids, -1)
-    for config in (None, fm.default_config(1, 16, 4), fm.default_config(4096, 16, 4)):
+    for config in (None, mc.default_config(1, 16, 4), mc.default_config(4096, 16, 4)):
         out = fm.fused_moe(x, w13, w2, weights, ids, config=config)
         assert torch.count_nonzero(out) == 0
 
@@ -348,9 +351,9 @@ def test_gpu_cuda_graph_replay(tokens: int, plan: str) -> None:
     static = [x.clone(), weights.clone(), ids.to(torch.int32)]
     config = None
     if plan == "pair_pdl":
-        config = {**fm.default_config(1, 128, 8), "pdl": True}
+        config = {**mc.default_config(1, 128, 8), "pdl": True}
     elif plan.startswith("pair_split"):
-        config = fm.default_config(1, 128, 8)
+        config = mc.default_config(1, 128, 8)
         split = int(plan.removeprefix("pair_split"))
         config = {**config, "gemm2": {**config["gemm2"], "split": split}}
     fm.fused_moe(x, w13, w2, weights, ids, config=config)  # compile outside the capture

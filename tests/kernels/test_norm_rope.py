@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from safeserve.kernels import fused_moe as fm
 from safeserve.kernels import norm_rope as nr
+from safeserve.kernels import topk_softmax as tk
 
 HAS_CUDA = torch.cuda.is_available() and nr.HAS_TRITON
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
@@ -110,8 +110,8 @@ def test_topk_softmax_maps_ids_and_casts_weights(tokens: int) -> None:
     gen = torch.Generator(device="cuda").manual_seed(tokens)
     logits = torch.randn(tokens, 128, generator=gen, device="cuda")
     expert_map = torch.randperm(128, generator=gen, device="cuda")
-    w, ids = fm.fused_topk_softmax(logits, 8, True, torch.bfloat16, expert_map)
-    rw, rids = fm.topk_softmax_torch(logits, 8, True)
+    w, ids = tk.fused_topk_softmax(logits, 8, True, torch.bfloat16, expert_map)
+    rw, rids = tk.topk_softmax_torch(logits, 8, True)
     assert ids.dtype == torch.int64 and w.dtype == torch.bfloat16
     want = expert_map[rids.long()]
     assert torch.equal(ids.sort(dim=1).values, want.sort(dim=1).values)

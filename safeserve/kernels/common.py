@@ -1,0 +1,33 @@
+"""What the kernel modules share: Triton as an optional import, and where the kernels run.
+
+Importing this never needs Triton: without it `triton` and `tl` are None, the kernels are not
+defined, and every entry point runs its torch reference.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:  # Triton is an optional dependency: CI and CPU-only installs run the torch references.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised where Triton is missing
+    triton = None
+    tl = None
+
+HAS_TRITON = triton is not None
+
+
+def use_kernels(t: torch.Tensor) -> bool:
+    """True where the Triton kernels run for tensors like `t`: CUDA, or Triton's interpreter
+    (``TRITON_INTERPRET=1``) on CPU."""
+    if not HAS_TRITON:
+        return False
+    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two >= n (1 for n <= 1)."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
