@@ -51,11 +51,18 @@ def groups_table(groups: list[dict[str, Any]], now: float | None = None) -> str:
                 g["in_flight"],
                 g["failures"],
                 g["restarts"],
+                _balance10(g),
                 verdict,
             ]
         )
     header = ["GROUP", "STATE", "RANKS", "RUNNING", "WAITING", "IN-FLIGHT", "FAILURES"]
-    return table([*header, "RESTARTS", "LAST-VERDICT"], rows)
+    return table([*header, "RESTARTS", "BALANCE", "LAST-VERDICT"], rows)
+
+
+def _balance10(g: dict[str, Any]) -> str | None:
+    """Expert-load balancedness over the last 10 passes (None: one EP rank, or no pass yet)."""
+    value = (g.get("eplb_balancedness") or {}).get("10")
+    return None if value is None else f"{value:.2f}"
 
 
 def ranks_table(groups: list[dict[str, Any]]) -> str:
@@ -107,7 +114,7 @@ def runbooks_for(
         skew.append(f"{cut} dispatches cut into admission rounds")
     balance = (g.get("eplb_balancedness") or {}).get("10")
     if balance is not None and balance <= SKEWED_BALANCEDNESS:
-        skew.append(f"expert load balancedness {balance:.2f} over the last 10 passes")
+        skew.append(f"expert load balancedness {_balance10(g)} over the last 10 passes")
     if skew:
         out.append(("dispatch-skew", "; ".join(skew) + ": routing is skewed"))
     if not any(x["state"] == "READY" for x in all_groups):

@@ -19,7 +19,7 @@ from safeserve.moe.eplb.balancedness import (
     group_balancedness,
     layer_balancedness,
 )
-from safeserve.oncall.views import describe_group
+from safeserve.oncall.views import describe_group, groups_table
 
 
 def test_layer_balancedness_is_mean_over_max() -> None:
@@ -113,6 +113,8 @@ def test_skewed_routing_shows_in_balancedness(
 
     groups = httpx.get(s.admin_url + "/admin/groups").json()["groups"]
     assert groups[0]["eplb_balancedness"]["10"] == pytest.approx(skewed, abs=1e-4)
+    header, row = groups_table(groups).splitlines()[:2]
+    assert row[header.index("BALANCE") :].split()[0] == "0.50"
     text = describe_group(groups[0], groups)
     assert "Balance:      0.50 last 10" in text
     assert "dispatch-skew" in text and "expert load balancedness 0.50" in text
