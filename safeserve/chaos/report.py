@@ -194,6 +194,18 @@ def dispatch_summary(
     return rows
 
 
+def balance_summary(samples: list) -> dict[str, dict[str, float]]:
+    """Per group: the lowest and the last expert-load balancedness (10-pass window) that the
+    observer saw (groups with one expert-parallel rank report none)."""
+    seen: dict[str, list[float]] = {}
+    for s in samples:
+        for g in s.groups:
+            value = (g.get("eplb_balancedness") or {}).get("10")
+            if value is not None:
+                seen.setdefault(str(g["id"]), []).append(value)
+    return {g: {"min": min(v), "end": v[-1]} for g, v in seen.items()}
+
+
 def server_counters(before: dict, after: dict, groups_before: list, groups_after: list) -> dict:
     def delta(name: str, **labels: str) -> float:
         return metric_total(after, name, **labels) - metric_total(before, name, **labels)

@@ -24,6 +24,7 @@ from safeserve.chaos.load import Load
 from safeserve.chaos.observer import Observer
 from safeserve.chaos.report import (
     analyse_faults,
+    balance_summary,
     dispatch_summary,
     evaluate,
     memory_growth,
@@ -223,6 +224,7 @@ async def run(
         "faults": fault_rows,
         "server": server_counters(before, after, groups_before, groups_after),
         "dispatch": dispatch_summary(groups_after, groups_before),
+        "balance": balance_summary(obs.samples),
         "observer_poll_errors": obs.errors,
         "timeline": timeline(obs),
     }
@@ -322,6 +324,14 @@ def render(report: dict[str, Any]) -> str:
                 f"{r['budget']}, cut {r['cut']}, memory {_gib(r['memory_bytes_at_start'])} at "
                 f"start, peak while serving {_gib(r['memory_peak_bytes'])} ({_growth(r)}; start-up peak {_gib(r['memory_startup_peak_bytes'])})"
             )
+    if report.get("balance"):
+        lines.append(
+            "expert balance (10-pass window, 1 = even): "
+            + "; ".join(
+                f"group {g} min {b['min']:.2f} end {b['end']:.2f}"
+                for g, b in sorted(report["balance"].items())
+            )
+        )
     lines.append("goals:")
     for g in report["goals"]:
         lines.append(

@@ -195,6 +195,10 @@ def test_kill_run_reports_detection_recovery_and_no_loss(server_factory, tmp_pat
     after = {g["id"]: [r["pid"] for r in g["ranks"]] for g in _groups(s)}
     assert pids_before[0][1] not in after[0] and after[1] == pids_before[1]
     assert "PASS" in r.stdout and "detect" in r.stdout
+    # Two expert-parallel ranks per group, random routing: both ranks get pairs (above 1/2).
+    assert set(rep["balance"]) == {"0", "1"}
+    assert all(0.5 < b["min"] <= b["end"] <= 1.0 for b in rep["balance"].values())
+    assert "expert balance (10-pass window" in r.stdout
 
 
 def _groups(server) -> list[dict]:  # type: ignore[no-untyped-def]
