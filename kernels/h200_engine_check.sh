@@ -9,11 +9,10 @@ OUT=${OUT:-/tmp/safeserve-out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$OUT/gpu.txt"
-timeout "${TEST_TIMEOUT:-170}" python3 -m pytest -q -p no:cacheprovider \
+bash kernels/gpu_pytest.sh "${TEST_TIMEOUT:-170}" "$OUT/pytest.log" \
   tests/kernels/test_paged_attention.py tests/kernels/test_engine_kernels_gpu.py \
   tests/kernels/test_fused_moe.py tests/kernels/test_norm_rope.py \
-  -k "not interpreter and (paged or engine or E60 or E37 or E16 or replay or topk or dropped or norm)" \
-  2>&1 | tee "$OUT/pytest.log"
+  -k "not interpreter and (paged or engine or E60 or E37 or E16 or replay or topk or dropped or norm)"
 timeout "${BENCH_TIMEOUT:-300}" python3 -m safeserve.cli bench \
   --model kernels/configs/qwen3-30b-a3b --load-format dummy --device cuda --dtype bfloat16 \
   --concurrency "${CONCURRENCY:-1,2,4,8,16,32,64}" --input-len 512 --output-len 128 \

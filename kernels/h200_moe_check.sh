@@ -12,5 +12,4 @@ timeout "${SWEEP_TIMEOUT:-100}" python3 kernels/sweep_fused_moe.py --tokens 1 \
   2>&1 | tee "$OUT/sweep.log"
 timeout "${BENCH_TIMEOUT:-130}" python3 kernels/bench_fused_moe.py --configs "$OUT/best.json" \
   --ceilings --json "$OUT/bench_final.json" 2>&1 | tee "$OUT/bench_final.log"
-timeout "${TEST_TIMEOUT:-400}" python3 -m pytest -q -p no:cacheprovider -rf \
-  tests/kernels/test_fused_moe.py -m gpu 2>&1 | tail -8 | tee "$OUT/pytest.log"
+bash kernels/gpu_pytest.sh "${TEST_TIMEOUT:-400}" "$OUT/pytest.log" tests/kernels/test_fused_moe.py -m gpu

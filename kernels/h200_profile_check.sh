@@ -14,6 +14,5 @@ if [ -n "${BASELINE:-}" ]; then
 fi
 PYTHONPATH=. timeout "${PROFILE_TIMEOUT:-110}" python3 kernels/profile_decode.py \
   $ARGS --label current --json "$OUT/profile_current.json" 2>&1 | grep -v USDT | tee "$OUT/profile_current.log"
-timeout "${TEST_TIMEOUT:-100}" python3 -m pytest -q -p no:cacheprovider -x \
-  tests/kernels/test_norm_rope.py tests/kernels/test_engine_kernels_gpu.py \
-  2>&1 | tee "$OUT/pytest.log"
+bash kernels/gpu_pytest.sh "${TEST_TIMEOUT:-100}" "$OUT/pytest.log" -x \
+  tests/kernels/test_norm_rope.py tests/kernels/test_engine_kernels_gpu.py
