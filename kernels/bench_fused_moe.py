@@ -166,13 +166,31 @@ def bench_one(
     rotations: int,
     reps: int,
     breakdown: bool = False,
+    paired_matmul: bool = False,
 ) -> dict[str, Any]:
+    """One token count: median of round-robin graph replays, floor share, error vs float32.
+
+    paired_matmul adds an 8192^3 bf16 matmul graph to the same round robin, so the matrix rate
+    the layer is compared with is measured under the same load, clocks and temperature (a short
+    burst of matmuls alone, as in `measure_ceilings`, runs at boost clocks that a sustained
+    tensor-core load does not keep).
+    """
     num_experts, two_i, hidden = w13.shape
     inter = two_i // 2
     routings = make_routings(num_tokens, num_experts, hidden, top_k, w13.dtype, rotations)
     cfg = config or mc.get_config(num_tokens, num_experts, hidden, inter, top_k)
     fns = [(lambda r=r: fm.fused_moe(r[0], w13, w2, r[1], r[2], config=cfg)) for r in routings]
-    times = graph_times_us(fns, reps)
+    mm_times: list[float] = []
+    if paired_matmul:
+        a, b, c = (torch.randn(8192, 8192, device=DEVICE, dtype=w13.dtype) for _ in range(3))
+        fns.append(lambda: torch.mm(a, b, out=c))
+        every = graph_times_us(fns, reps)
+        n = len(fns)
+        mm_times = every[n - 1 :: n]
+        times = [t for j, t in enumerate(every) if j % n != n - 1]
+        del a, b, c
+    else:
+        times = graph_times_us(fns, reps)
     distinct = [int(torch.unique(r[2]).numel()) for r in routings]
     floor_us = [
         d * expert_bytes(hidden, inter, w13.element_size()) / HBM_READ_BW * 1e6 for d in distinct
@@ -196,6 +214,9 @@ def bench_one(
         "rel_err": rel_err,
         "config": cfg,
     }
+    if mm_times:
+        row["matmul_TFLOPs_paired"] = 2 * 8192**3 / statistics.median(mm_times) / 1e6
+        row["matrix_share_paired"] = row["TFLOPs"] / row["matmul_TFLOPs_paired"]
     if cfg["mode"] == "sorted":
         bm = cfg["BLOCK_M"]
         align = [(lambda r=r: ma.moe_align(r[2], num_experts, bm)) for r in routings]
@@ -285,9 +306,18 @@ def _short(cfg: mc.Config) -> str:
     g1, g2 = cfg["gemm1"], cfg["gemm2"]
 
     def k(c: mc.Config) -> str:
-        return f"{c['BLOCK_N']}x{c['BLOCK_K']}w{c['num_warps']}s{c['num_stages']}"
+        extra = "".join(
+            tag
+            for tag, on in (
+                (" il", c.get("interleave")),
+                (f" split{c.get('split')}", int(c.get("split", 1)) > 1),
+                (" ef", c.get("evict_first")),
+            )
+            if on
+        )
+        return f"{c['BLOCK_N']}x{c['BLOCK_K']}w{c['num_warps']}s{c['num_stages']}{extra}"
 
-    pdl = "+pdl" if cfg.get("pdl") else ""
+    pdl = {True: "+pdl", "wait": "+pdl-wait"}.get(cfg.get("pdl"), "")
     return f"{cfg['mode']}{pdl}/M{cfg['BLOCK_M']} g1 {k(g1)} g2 {k(g2)}"
 
 
@@ -304,6 +334,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reps", type=int, default=40, help="replays of each routing's graph")
     ap.add_argument("--ceilings", action="store_true", help="also measure HBM and matmul rates")
     ap.add_argument("--breakdown", action="store_true", help="also time each launch alone")
+    ap.add_argument(
+        "--paired-matmul",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help="from this token count up, time an 8192^3 matmul in the same replay rotation",
+    )
     ap.add_argument(
         "--read-baseline", action="store_true", help="also time a plain read of the same experts"
     )
@@ -327,7 +364,10 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for t in [int(v) for v in args.tokens.split(",")]:
         cfg = mc.nearest_config(table, t) if table else None
-        row = bench_one(t, w13, w2, args.top_k, cfg, args.rotations, args.reps, args.breakdown)
+        paired = 0 < args.paired_matmul <= t
+        row = bench_one(
+            t, w13, w2, args.top_k, cfg, args.rotations, args.reps, args.breakdown, paired
+        )
         if args.read_baseline:
             routings = make_routings(
                 t, args.experts, args.hidden, args.top_k, dtype, args.rotations
@@ -342,6 +382,11 @@ def main(argv: list[str] | None = None) -> None:
             f"[{_short(row['config'])}]",
             flush=True,
         )
+        if "matmul_TFLOPs_paired" in row:
+            print(
+                f"    paired matmul: {row['matmul_TFLOPs_paired']:.1f} TFLOP/s, this layer "
+                f"{100 * row['matrix_share_paired']:.1f} % of it"
+            )
         for key in ("stages_us", "read_baseline"):
             if key in row:
                 print(f"    {key}: " + json.dumps({k: round(v, 1) for k, v in row[key].items()}))

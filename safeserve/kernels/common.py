@@ -31,3 +31,22 @@ def use_kernels(t: torch.Tensor) -> bool:
 def next_power_of_2(n: int) -> int:
     """Smallest power of two >= n (1 for n <= 1)."""
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+# Zeroed int32 words that kernels use as arrival counters and leave zeroed when they finish (the
+# last program to arrive resets them), so no memset launch is needed. One buffer per (device,
+# stream, purpose): launches on one stream run one after another, so they can share it. Graphs
+# captured on one stream and replayed concurrently on several streams would not; the engine
+# replays on one stream per process.
+ZEROED_COUNTERS: dict[tuple[str, int, int, str], torch.Tensor] = {}
+
+
+def zeroed_counters(device: torch.device, words: int, purpose: str) -> torch.Tensor:
+    """At least `words` int32 zeros on `device` for the current stream; callers must leave them 0."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device.type, device.index or 0, stream, purpose)
+    buf = ZEROED_COUNTERS.get(key)
+    if buf is None or buf.numel() < words:
+        buf = torch.zeros(max(1024, words), dtype=torch.int32, device=device)
+        ZEROED_COUNTERS[key] = buf
+    return buf

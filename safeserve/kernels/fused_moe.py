@@ -15,9 +15,10 @@ Two launch plans, picked per token count by the tuned config (`"mode"`):
   program, so the top-k sum happens in registers. Two launches in all. ``"split": n`` in
   ``gemm2`` shares a token's slots among n programs (n times as many programs stream a decode
   step's down weights); each writes a float32 partial and the last one of a tile sums them in a
-  fixed order. Optional ``"pdl": true`` launches the down kernel as a programmatic dependent of
-  gate/up and has it prefetch its weights into L2 first; measured slower on an H200
-  (kernels/RESULTS.md), so no shipped config uses it.
+  fixed order. Optional ``"pdl": "wait"`` launches the down kernel as a programmatic dependent of
+  gate/up (its programs wait, resident, for gate/up to end); ``"pdl": true`` also has them
+  prefetch their weights into L2 before waiting (measured slower on an H200, kernels/RESULTS.md).
+  ``"evict_first": true`` in a GEMM's config marks its weight loads evict-first in the caches.
 
 ``"interleave": true`` in ``gemm1`` (both plans) loads gate and up columns alternately into one
 B tile, so one dot of twice the width computes both (one accumulator, wider tensor-core
@@ -35,7 +36,14 @@ from __future__ import annotations
 
 import torch
 
-from safeserve.kernels.common import HAS_TRITON, next_power_of_2, tl, triton, use_kernels
+from safeserve.kernels.common import (
+    HAS_TRITON,
+    next_power_of_2,
+    tl,
+    triton,
+    use_kernels,
+    zeroed_counters,
+)
 from safeserve.kernels.moe_align import moe_align
 from safeserve.kernels.moe_config import PAIR_MODES, Config, fit_config, get_config
 
@@ -51,21 +59,35 @@ if HAS_TRITON:
         BLOCK_K: tl.constexpr,
         EVEN_K: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
+        B_EVICT: tl.constexpr = "",
     ):
-        """acc += A[rows, :K] @ B[:K, cols] for tiles whose K runs along unit strides of both."""
+        """acc += A[rows, :K] @ B[:K, cols] for tiles whose K runs along unit strides of both.
+
+        B_EVICT is the cache eviction policy of the B (weight) loads ("" or "evict_first")."""
         offs_k = tl.arange(0, BLOCK_K)
         for kk in range(0, tl.cdiv(K, BLOCK_K)):
             if EVEN_K:
                 a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-                b = tl.load(b_ptrs)
+                b = tl.load(b_ptrs, eviction_policy=B_EVICT)
             else:
                 k_ok = offs_k < K - kk * BLOCK_K
                 a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0, eviction_policy=B_EVICT)
             acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
         return acc
+
+    @triton.jit
+    def _prefetch_l2(ptrs):
+        tl.inline_asm_elementwise(
+            "prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;",
+            "=r,l",
+            [ptrs],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
 
     @triton.jit(do_not_specialize=["num_pairs", "num_blocks_m"])
     def _gate_up_kernel(
@@ -95,6 +117,7 @@ if HAS_TRITON:
         DOT_PRECISION: tl.constexpr,
         USE_PDL: tl.constexpr,
         INTERLEAVE: tl.constexpr,
+        B_EVICT: tl.constexpr,
     ):
         """out[row, n] = w_pair * silu(x @ gate[e].T) * (x @ up[e].T) for one row tile of one expert.
 
@@ -144,7 +167,7 @@ if HAS_TRITON:
             w_rows = (pid_n * BLOCK_N + offs_c // 2) % N + (offs_c % 2) * N
             b_ptrs = w_e + w_rows[None, :] * stride_wn + offs_k[:, None]
             acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
-            acc = _mainloop(a_ptrs, b_ptrs, row_ok, acc, K, BLOCK_K, EVEN_K, DOT_PRECISION)
+            acc = _mainloop(a_ptrs, b_ptrs, row_ok, acc, K, BLOCK_K, EVEN_K, DOT_PRECISION, B_EVICT)
             acc_g, acc_u = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
         else:
             g_ptrs = w_e + offs_nw[None, :] * stride_wn + offs_k[:, None]
@@ -154,13 +177,13 @@ if HAS_TRITON:
             for kk in range(0, tl.cdiv(K, BLOCK_K)):
                 if EVEN_K:
                     a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-                    bg = tl.load(g_ptrs)
-                    bu = tl.load(u_ptrs)
+                    bg = tl.load(g_ptrs, eviction_policy=B_EVICT)
+                    bu = tl.load(u_ptrs, eviction_policy=B_EVICT)
                 else:
                     k_ok = offs_k < K - kk * BLOCK_K
                     a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                    bg = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
-                    bu = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
+                    bg = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0, eviction_policy=B_EVICT)
+                    bu = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0, eviction_policy=B_EVICT)
                 acc_g = tl.dot(a, bg, acc_g, input_precision=DOT_PRECISION)
                 acc_u = tl.dot(a, bu, acc_u, input_precision=DOT_PRECISION)
                 a_ptrs += BLOCK_K
@@ -195,6 +218,7 @@ if HAS_TRITON:
         GROUP_M: tl.constexpr,
         EVEN_K: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
+        B_EVICT: tl.constexpr,
     ):
         """y[pair, n] = a[row] @ down[e].T for one row tile of one expert (N = hidden, K = I)."""
         pid = tl.program_id(0)
@@ -218,21 +242,10 @@ if HAS_TRITON:
             w_ptr + expert.to(tl.int64) * stride_we + offs_nw[None, :] * stride_wn + offs_k[:, None]
         )
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc = _mainloop(a_ptrs, b_ptrs, row_ok, acc, K, BLOCK_K, EVEN_K, DOT_PRECISION)
+        acc = _mainloop(a_ptrs, b_ptrs, row_ok, acc, K, BLOCK_K, EVEN_K, DOT_PRECISION, B_EVICT)
         y_ptrs = y_ptr + pair[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
         tl.store(
             y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n[None, :] < N)
-        )
-
-    @triton.jit
-    def _prefetch_l2(ptrs):
-        tl.inline_asm_elementwise(
-            "prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;",
-            "=r,l",
-            [ptrs],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
         )
 
     @triton.jit(do_not_specialize=["num_tokens"])
@@ -258,9 +271,11 @@ if HAS_TRITON:
         EVEN_K: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
         USE_PDL: tl.constexpr,
+        PDL_PREFETCH: tl.constexpr,
         K_LINES: tl.constexpr,
         LINE_ELEMS: tl.constexpr,
         SPLIT: tl.constexpr,
+        B_EVICT: tl.constexpr,
     ):
         """out[t, n] = sum over valid slots s of a[t*k+s] @ down[e_s].T (a is pre-weighted).
 
@@ -269,8 +284,9 @@ if HAS_TRITON:
         the tile's counter in sync; the last to arrive sums the partials in a fixed order (the
         result does not depend on arrival order), writes out and zeroes the counter again.
 
-        With USE_PDL this kernel is launched while the gate/up kernel still runs: it first asks
-        L2 for its weight slices (they do not depend on that kernel), then waits for it.
+        With USE_PDL this kernel is launched while the gate/up kernel still runs and waits for it
+        (its programs are resident when gate/up ends); with PDL_PREFETCH it first asks L2 for its
+        weight slices (they do not depend on that kernel).
         """
         pid = tl.program_id(0)
         group = pid % SPLIT
@@ -283,13 +299,14 @@ if HAS_TRITON:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
         if USE_PDL:
-            # one L2 prefetch per 128-byte line of each valid slot's [BLOCK_N, K] weight slice
-            line_k = tl.minimum(tl.arange(0, K_LINES) * LINE_ELEMS, K - 1)
-            for j in tl.static_range(TOP_K):
-                e = tl.sum(tl.where(slots == j, slot_ids, 0), axis=0)
-                if e >= 0:
-                    pf = w_ptr + e.to(tl.int64) * stride_we + (offs_n % N)[:, None] * stride_wn
-                    _prefetch_l2(pf + line_k[None, :])
+            if PDL_PREFETCH:
+                # one L2 prefetch per 128-byte line of each valid slot's [BLOCK_N, K] slice
+                line_k = tl.minimum(tl.arange(0, K_LINES) * LINE_ELEMS, K - 1)
+                for j in tl.static_range(TOP_K):
+                    e = tl.sum(tl.where(slots == j, slot_ids, 0), axis=0)
+                    if e >= 0:
+                        pf = w_ptr + e.to(tl.int64) * stride_we + (offs_n % N)[:, None] * stride_wn
+                        _prefetch_l2(pf + line_k[None, :])
             tl.extra.cuda.gdc_wait()
         slots_per: tl.constexpr = (TOP_K + SPLIT - 1) // SPLIT
         s_lo = group * slots_per
@@ -314,11 +331,11 @@ if HAS_TRITON:
             )
             if EVEN_K:
                 a = tl.load(a_ptrs, mask=row0[:, None] & ok, other=0.0)
-                b = tl.load(b_ptrs, mask=ok, other=0.0)
+                b = tl.load(b_ptrs, mask=ok, other=0.0, eviction_policy=B_EVICT)
             else:
                 k_ok = (k0 + offs_k) < K
                 a = tl.load(a_ptrs, mask=row0[:, None] & k_ok[None, :] & ok, other=0.0)
-                b = tl.load(b_ptrs, mask=k_ok[:, None] & ok, other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok[:, None] & ok, other=0.0, eviction_policy=B_EVICT)
             acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         res = tl.sum(tl.where(row0[:, None], acc, 0.0), axis=0)
         o_ptrs = out_ptr + pid_t.to(tl.int64) * stride_ot + offs_n
@@ -415,21 +432,9 @@ def fused_moe(
     return call.out
 
 
-# Zeroed int32 counters of the split down projection (its last program of a tile sets the tile's
-# counter back to zero), one buffer per (device, stream): launches on one stream run one after
-# another, so they can share it. Graphs captured on one stream and replayed concurrently on
-# several streams would not; the engine replays on one stream per process.
-_SPLIT_COUNTERS: dict[tuple[str, int, int], torch.Tensor] = {}
-
-
-def _split_counters(device: torch.device, words: int) -> torch.Tensor:
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device.type, device.index or 0, stream)
-    buf = _SPLIT_COUNTERS.get(key)
-    if buf is None or buf.numel() < words:
-        buf = torch.zeros(max(1024, words), dtype=torch.int32, device=device)
-        _SPLIT_COUNTERS[key] = buf
-    return buf
+def _evict(gemm: Config) -> str:
+    """`"evict_first": true` in a GEMM's config: its weight loads go first out of the caches."""
+    return "evict_first" if gemm.get("evict_first") else ""
 
 
 class MoeLaunch:
@@ -517,6 +522,7 @@ class MoeLaunch:
             DOT_PRECISION=self.dot_precision,
             USE_PDL=self.cfg["pdl"],
             INTERLEAVE=bool(g1.get("interleave", False)),
+            B_EVICT=_evict(g1),
             num_warps=g1["num_warps"],
             num_stages=g1["num_stages"],
         )
@@ -536,7 +542,7 @@ class MoeLaunch:
         tiles_n = triton.cdiv(self.hidden, g2["BLOCK_N"])
         if split > 1:
             part = torch.empty(self.num_tokens, split, self.hidden, device=self.device)
-            counters = _split_counters(self.device, self.num_tokens * tiles_n)
+            counters = zeroed_counters(self.device, self.num_tokens * tiles_n, "moe_split")
         else:
             part = counters = out  # not read
         _down_pair_kernel[(self.num_tokens * tiles_n * split,)](
@@ -561,9 +567,11 @@ class MoeLaunch:
             EVEN_K=self.inter % g2["BLOCK_K"] == 0,
             DOT_PRECISION=self.dot_precision,
             USE_PDL=self.cfg["pdl"],
+            PDL_PREFETCH=self.cfg["pdl_prefetch"],
             K_LINES=next_power_of_2(triton.cdiv(self.inter * w2.element_size(), 128)),
             LINE_ELEMS=128 // w2.element_size(),
             SPLIT=split,
+            B_EVICT=_evict(g2),
             num_warps=g2["num_warps"],
             num_stages=g2["num_stages"],
             launch_pdl=self.cfg["pdl"],
@@ -594,6 +602,7 @@ class MoeLaunch:
             GROUP_M=g2.get("GROUP_M", 1),
             EVEN_K=self.inter % g2["BLOCK_K"] == 0,
             DOT_PRECISION=self.dot_precision,
+            B_EVICT=_evict(g2),
             num_warps=g2["num_warps"],
             num_stages=g2["num_stages"],
         )

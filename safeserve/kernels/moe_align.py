@@ -1,8 +1,9 @@
 """Sort a batch's (token, slot) pairs by expert, each expert's segment padded to the GEMM row
 tile: the layout the sorted plan of `fused_moe` runs its grouped GEMMs on.
 
-`moe_align` runs one Triton program for small batches (everything in one launch) and three
-kernels above `_ALIGN_SINGLE_MAX_PAIRS` pairs (count with atomics, plan, scatter);
+`moe_align` runs one Triton program for small batches (everything in one launch) and two
+kernels above `_ALIGN_SINGLE_MAX_PAIRS` pairs (count with atomics, whose last program lays out
+the experts; scatter);
 `moe_align_torch` is the reference (identical outputs up to the order within an expert).
 """
 
@@ -10,7 +11,14 @@ from __future__ import annotations
 
 import torch
 
-from safeserve.kernels.common import HAS_TRITON, next_power_of_2, tl, triton, use_kernels
+from safeserve.kernels.common import (
+    HAS_TRITON,
+    next_power_of_2,
+    tl,
+    triton,
+    use_kernels,
+    zeroed_counters,
+)
 
 
 def max_padded_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -133,45 +141,50 @@ if HAS_TRITON:
             start = tl.load(starts_ptr + ids, mask=ok, other=0, cache_modifier=".cg")
             tl.store(sorted_ptr + start + rank, offs.to(tl.int32), mask=ok)
 
-    @triton.jit(do_not_specialize=["num_pairs", "rows_per_prog", "num_rows"])
+    @triton.jit(do_not_specialize=["num_pairs", "rows_per_prog", "num_rows", "max_blocks"])
     def _align_count_kernel(
         ids_ptr,
+        counts_ptr,
         scratch_ptr,
         sorted_ptr,
+        block_expert_ptr,
+        npost_ptr,
         num_pairs,
         rows_per_prog,
         num_rows,
+        max_blocks,
+        BLOCK_M: tl.constexpr,
         E_PAD: tl.constexpr,
         CHUNK: tl.constexpr,
+        BLOCK_R: tl.constexpr,
     ):
-        """Rank of each pair within its expert (atomic counter, zeroed before) + sentinel rows."""
+        """Rank of each pair within its expert (atomic counters) and sentinel rows; the last
+        program to finish lays the experts out and sets the counters back to zero.
+
+        counts: [E_PAD] expert counters then one arrival counter, zero on entry and on exit.
+        scratch: [E_PAD] segment starts, then [num_pairs] ranks.
+        """
         c = tl.program_id(0)
         offs = c * CHUNK + tl.arange(0, CHUNK)
         ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1).to(tl.int32)
         ok = ids >= 0
-        rank = tl.atomic_add(scratch_ptr + ids, 1, mask=ok, sem="relaxed")
-        tl.store(scratch_ptr + 2 * E_PAD + offs, rank, mask=ok)
+        rank = tl.atomic_add(counts_ptr + ids, 1, mask=ok, sem="relaxed")
+        tl.store(scratch_ptr + E_PAD + offs, rank, mask=ok)
         r_lo = c * rows_per_prog
         _fill_sentinel(
             sorted_ptr, r_lo, tl.minimum(r_lo + rows_per_prog, num_rows), num_pairs, 1024
         )
-
-    @triton.jit(do_not_specialize=["max_blocks"])
-    def _align_plan_kernel(
-        scratch_ptr,
-        block_expert_ptr,
-        npost_ptr,
-        max_blocks,
-        BLOCK_M: tl.constexpr,
-        E_PAD: tl.constexpr,
-        BLOCK_R: tl.constexpr,
-    ):
-        e = tl.arange(0, E_PAD)
-        counts = tl.load(scratch_ptr + e)
-        starts, cum_end, total = _expert_layout(counts, BLOCK_M)
-        tl.store(npost_ptr, total)
-        tl.store(scratch_ptr + E_PAD + e, starts)
-        _fill_block_experts(block_expert_ptr, cum_end, total, max_blocks, BLOCK_M, BLOCK_R)
+        tl.debug_barrier()  # every thread's count is in before the release below
+        if tl.atomic_add(counts_ptr + E_PAD, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+            tl.debug_barrier()
+            e = tl.arange(0, E_PAD)
+            counts = tl.load(counts_ptr + e, cache_modifier=".cg")
+            starts, cum_end, total = _expert_layout(counts, BLOCK_M)
+            tl.store(npost_ptr, total)
+            tl.store(scratch_ptr + e, starts)
+            _fill_block_experts(block_expert_ptr, cum_end, total, max_blocks, BLOCK_M, BLOCK_R)
+            tl.store(counts_ptr + e, tl.zeros([E_PAD], dtype=tl.int32))
+            tl.atomic_xchg(counts_ptr + E_PAD, 0)
 
     @triton.jit(do_not_specialize=["num_pairs"])
     def _align_scatter_kernel(
@@ -181,8 +194,8 @@ if HAS_TRITON:
         offs = c * CHUNK + tl.arange(0, CHUNK)
         ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1).to(tl.int32)
         ok = ids >= 0
-        rank = tl.load(scratch_ptr + 2 * E_PAD + offs, mask=ok, other=0)
-        start = tl.load(scratch_ptr + E_PAD + ids, mask=ok, other=0)
+        rank = tl.load(scratch_ptr + E_PAD + offs, mask=ok, other=0)
+        start = tl.load(scratch_ptr + ids, mask=ok, other=0)
         tl.store(sorted_ptr + start + rank, offs.to(tl.int32), mask=ok)
 
 
@@ -232,29 +245,27 @@ def moe_align(
             num_warps=8,
         )
         return sorted_ids, block_expert, npost
-    scratch = torch.zeros(2 * e_pad + num_pairs, dtype=torch.int32, device=device)
+    # counters left zeroed by the previous call on this stream: no memset launch
+    counts = zeroed_counters(device, e_pad + 1, "moe_align")
+    scratch = torch.empty(e_pad + num_pairs, dtype=torch.int32, device=device)
     num_chunks = triton.cdiv(num_pairs, _ALIGN_CHUNK)
     num_rows = max_blocks * block_m
     _align_count_kernel[(num_chunks,)](
         ids,
+        counts,
         scratch,
         sorted_ids,
+        block_expert,
+        npost,
         num_pairs,
         triton.cdiv(num_rows, num_chunks),
         num_rows,
-        E_PAD=e_pad,
-        CHUNK=_ALIGN_CHUNK,
-        num_warps=4,
-    )
-    _align_plan_kernel[(1,)](
-        scratch,
-        block_expert,
-        npost,
         max_blocks,
         BLOCK_M=block_m,
         E_PAD=e_pad,
+        CHUNK=_ALIGN_CHUNK,
         BLOCK_R=block_r,
-        num_warps=8,
+        num_warps=4,
     )
     _align_scatter_kernel[(num_chunks,)](
         ids, scratch, sorted_ids, num_pairs, E_PAD=e_pad, CHUNK=_ALIGN_CHUNK, num_warps=4

@@ -122,7 +122,10 @@ def fit_config(cfg: Config, elem_size: int, top_k: int) -> Config:
         out["mode"] = "sorted"
     bm = 16 if out["mode"] in PAIR_MODES else int(out["BLOCK_M"])
     out["BLOCK_M"] = bm
-    out["pdl"] = bool(cfg.get("pdl", False)) and out["mode"] == "pair" and pdl_supported()
+    # "pdl": "wait" (dependent launch only) or true (also an L2 prefetch); pair plan, Hopper+
+    pdl = cfg.get("pdl", False)
+    out["pdl"] = pdl in (True, "wait") and out["mode"] == "pair" and pdl_supported()
+    out["pdl_prefetch"] = out["pdl"] and pdl is True
     for name, n_b in (("gemm1", 2), ("gemm2", 1)):
         k = out[name]
         while True:

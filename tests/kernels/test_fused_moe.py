@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from safeserve.kernels import common
 from safeserve.kernels import fused_moe as fm
 from safeserve.kernels import moe_align as ma
 from safeserve.kernels import moe_config as mc
@@ -75,6 +76,11 @@ def _reference(x, w13, w2, weights, ids) -> torch.Tensor:
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def _counters_zero() -> bool:
+    """The kernels' arrival counters (split down, align) are back to zero after a call."""
+    return all(int(b.count_nonzero()) == 0 for b in common.ZEROED_COUNTERS.values())
 
 
 def _check_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> None:
@@ -206,15 +212,16 @@ def test_cpu_fallback_matches_reference() -> None:
 
 
 def _forced(mode: str, block_m: int) -> mc.Config:
-    """mode: "pair" or "sorted", then "+i" for the interleaved gate/up tile and "+sN"
-    for the down projection's slots shared by N programs (pair plan)."""
+    """mode: "pair" or "sorted", then "+i" for the interleaved gate/up tile, "+sN" for the down
+    projection's slots shared by N programs (pair plan) and "+e" for evict-first weight loads."""
     name, *opts = mode.split("+")
     split = next((int(o[1:]) for o in opts if o.startswith("s")), 1)
+    evict = "e" in opts  # weight loads evict-first
     return {
         "mode": name,
         "BLOCK_M": block_m,
-        "gemm1": {**mc.kcfg(16, 32, 2, 4, 2), "interleave": "i" in opts},
-        "gemm2": {**mc.kcfg(16, 32, 2, 4, 2), "split": split},
+        "gemm1": {**mc.kcfg(16, 32, 2, 4, 2), "interleave": "i" in opts, "evict_first": evict},
+        "gemm2": {**mc.kcfg(16, 32, 2, 4, 2), "split": split, "evict_first": evict},
     }
 
 
@@ -227,10 +234,12 @@ def _forced(mode: str, block_m: int) -> mc.Config:
         (3, 10, 64, 40, 3, "pair+i", 16, 0.3),  # I not a multiple of BLOCK_N
         (3, 10, 64, 40, 3, "pair+s2", 16, 0.3),  # k = 3 slots over 2 programs
         (2, 10, 64, 48, 4, "pair+s4", 16, 0.0),
+        (2, 10, 64, 48, 4, "pair+i+s2+e", 16, 0.2),
         (1, 10, 64, 48, 8, "pair+s3", 16, 0.5),
         (5, 10, 64, 48, 3, "sorted", 16, 0.3),
         (40, 7, 48, 40, 2, "sorted", 32, 0.0),
         (40, 7, 48, 40, 2, "sorted+i", 32, 0.0),
+        (40, 7, 48, 40, 2, "sorted+e", 32, 0.0),
         (700, 12, 32, 32, 3, "sorted", 16, 0.2),  # > 2048 pairs: the multi-program align
     ],
 )
@@ -252,14 +261,20 @@ def test_interpreter_split_down_resets_its_counters() -> None:
             x, w13, w2, weights, ids.to(torch.int32), config=_forced(f"pair+s{split}", 16)
         )
         assert _rel_err(out, ref) < 1e-4
-        assert all(int(b.count_nonzero()) == 0 for b in fm._SPLIT_COUNTERS.values())
+        assert _counters_zero()
 
 
 @interp
-@pytest.mark.parametrize("pairs,experts,block_m", [(8, 8, 16), (100, 60, 16), (3000, 37, 32)])
+@pytest.mark.parametrize(
+    "pairs,experts,block_m", [(8, 8, 16), (100, 60, 16), (3000, 37, 32), (5000, 128, 64)]
+)
 def test_interpreter_align(pairs: int, experts: int, block_m: int) -> None:
+    """Above 2,048 pairs: several programs, the last one lays out the experts and resets the
+    counters, so back-to-back calls (as in a graph replay) start from zero."""
     gen = torch.Generator().manual_seed(pairs)
-    _check_align(torch.randint(-1, experts, (pairs, 1), generator=gen), experts, block_m)
+    for _ in range(2):
+        _check_align(torch.randint(-1, experts, (pairs, 1), generator=gen), experts, block_m)
+        assert _counters_zero()
 
 
 @interp
@@ -285,6 +300,15 @@ GPU_CASES = [
 ]
 
 
+def _pdl_wait_config(experts: int, top_k: int) -> mc.Config:
+    """Pair plan, down kernel a dependent launch that only waits, split over 4 programs, weight
+    loads evict-first."""
+    config = mc.default_config(1, experts, top_k)
+    g1 = {**config["gemm1"], "evict_first": True}
+    g2 = {**config["gemm2"], "split": 4, "evict_first": True}
+    return {**config, "pdl": "wait", "gemm1": g1, "gemm2": g2}
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"T{c[0]}-E{c[1]}-H{c[2]}-I{c[3]}")
@@ -297,6 +321,7 @@ GPU_CASES = [
         "pair_i",
         "pair_split3",
         "pair_split8",
+        "pair_pdl_wait",
         "sorted16",
         "sorted64",
         "sorted64_i",
@@ -317,6 +342,8 @@ def test_gpu_fused_moe_matches_reference(case, mode: str) -> None:
         config = mc.default_config(1, experts, top_k)
         split = int(mode.removeprefix("pair_split"))
         config = {**config, "gemm2": {**config["gemm2"], "split": split}}
+    elif mode == "pair_pdl_wait":
+        config = _pdl_wait_config(experts, top_k)
     elif mode.startswith("pair"):
         config = {**mc.default_config(1, experts, top_k), "pdl": mode == "pair_pdl"}
     else:
@@ -355,6 +382,8 @@ def test_gpu_all_slots_dropped_gives_zeros() -> None:
         (4, "pair_pdl"),
         (1, "pair_split4"),
         (2, "pair_split8"),
+        (1, "pair_pdl_wait"),
+        (3, "pair_pdl_wait"),
         (16, "auto"),
         (4096, "auto"),
     ],
@@ -366,6 +395,8 @@ def test_gpu_cuda_graph_replay(tokens: int, plan: str) -> None:
     config = None
     if plan == "pair_pdl":
         config = {**mc.default_config(1, 128, 8), "pdl": True}
+    elif plan == "pair_pdl_wait":
+        config = _pdl_wait_config(128, 8)
     elif plan.startswith("pair_split"):
         config = mc.default_config(1, 128, 8)
         split = int(plan.removeprefix("pair_split"))
@@ -385,8 +416,8 @@ def test_gpu_cuda_graph_replay(tokens: int, plan: str) -> None:
     assert not torch.isnan(out).any()
     ref = _reference(x2, w13, w2, weights2, ids2)
     assert _rel_err(out, ref) <= 1e-2
-    if plan.startswith("pair_split"):  # its counters are back to zero: replay again
-        assert all(int(b.count_nonzero()) == 0 for b in fm._SPLIT_COUNTERS.values())
+    if plan.startswith("pair_split") or tokens * 8 > 2048:  # counters back to zero: replay again
+        assert _counters_zero()
         out.fill_(float("nan"))
         for _ in range(3):
             graph.replay()
