@@ -153,23 +153,38 @@ if HAS_TRITON:
         rows_per_prog,
         num_rows,
         max_blocks,
+        rank_off,
         BLOCK_M: tl.constexpr,
         E_PAD: tl.constexpr,
         CHUNK: tl.constexpr,
         BLOCK_R: tl.constexpr,
     ):
-        """Rank of each pair within its expert (atomic counters) and sentinel rows; the last
-        program to finish lays the experts out and sets the counters back to zero.
+        """Rank of each pair within its expert and sentinel rows; the last program to finish
+        lays the experts out and sets the counters back to zero.
 
         counts: [E_PAD] expert counters then one arrival counter, zero on entry and on exit.
-        scratch: [E_PAD] segment starts, then [num_pairs] ranks.
+        scratch: [E_PAD] segment starts, [num_programs, E_PAD] per-program counts, then (from
+        rank_off) [num_pairs] ranks.
+        Each program first ranks its pairs on its own row of counters and then claims its share
+        of each expert with one atomic per expert: the shared counters see one atomic per
+        (program, expert), not one per pair (4,096 tokens: 23 -> 19 us on an H200).
         """
         c = tl.program_id(0)
         offs = c * CHUNK + tl.arange(0, CHUNK)
         ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1).to(tl.int32)
         ok = ids >= 0
-        rank = tl.atomic_add(counts_ptr + ids, 1, mask=ok, sem="relaxed")
-        tl.store(scratch_ptr + E_PAD + offs, rank, mask=ok)
+        e = tl.arange(0, E_PAD)
+        local = scratch_ptr + E_PAD + c * E_PAD
+        tl.store(local + e, tl.zeros([E_PAD], dtype=tl.int32))
+        tl.debug_barrier()
+        rank = tl.atomic_add(local + ids, 1, mask=ok, sem="relaxed")
+        tl.debug_barrier()
+        hist = tl.load(local + e, cache_modifier=".cg")
+        base = tl.atomic_add(counts_ptr + e, hist, mask=hist > 0, sem="relaxed")
+        tl.store(local + e, base, mask=hist > 0)  # this program's first rank in each expert
+        tl.debug_barrier()
+        rank += tl.load(local + ids, mask=ok, other=0, cache_modifier=".cg")
+        tl.store(scratch_ptr + rank_off + offs, rank, mask=ok)
         r_lo = c * rows_per_prog
         _fill_sentinel(
             sorted_ptr, r_lo, tl.minimum(r_lo + rows_per_prog, num_rows), num_pairs, 1024
@@ -188,13 +203,13 @@ if HAS_TRITON:
 
     @triton.jit(do_not_specialize=["num_pairs"])
     def _align_scatter_kernel(
-        ids_ptr, scratch_ptr, sorted_ptr, num_pairs, E_PAD: tl.constexpr, CHUNK: tl.constexpr
+        ids_ptr, scratch_ptr, sorted_ptr, num_pairs, rank_off, CHUNK: tl.constexpr
     ):
         c = tl.program_id(0)
         offs = c * CHUNK + tl.arange(0, CHUNK)
         ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1).to(tl.int32)
         ok = ids >= 0
-        rank = tl.load(scratch_ptr + E_PAD + offs, mask=ok, other=0)
+        rank = tl.load(scratch_ptr + rank_off + offs, mask=ok, other=0)
         start = tl.load(scratch_ptr + ids, mask=ok, other=0)
         tl.store(sorted_ptr + start + rank, offs.to(tl.int32), mask=ok)
 
@@ -247,8 +262,9 @@ def moe_align(
         return sorted_ids, block_expert, npost
     # counters left zeroed by the previous call on this stream: no memset launch
     counts = zeroed_counters(device, e_pad + 1, "moe_align")
-    scratch = torch.empty(e_pad + num_pairs, dtype=torch.int32, device=device)
     num_chunks = triton.cdiv(num_pairs, _ALIGN_CHUNK)
+    rank_off = e_pad + num_chunks * e_pad
+    scratch = torch.empty(rank_off + num_pairs, dtype=torch.int32, device=device)
     num_rows = max_blocks * block_m
     _align_count_kernel[(num_chunks,)](
         ids,
@@ -261,6 +277,7 @@ def moe_align(
         triton.cdiv(num_rows, num_chunks),
         num_rows,
         max_blocks,
+        rank_off,
         BLOCK_M=block_m,
         E_PAD=e_pad,
         CHUNK=_ALIGN_CHUNK,
@@ -268,6 +285,6 @@ def moe_align(
         num_warps=4,
     )
     _align_scatter_kernel[(num_chunks,)](
-        ids, scratch, sorted_ids, num_pairs, E_PAD=e_pad, CHUNK=_ALIGN_CHUNK, num_warps=4
+        ids, scratch, sorted_ids, num_pairs, rank_off, CHUNK=_ALIGN_CHUNK, num_warps=4
     )
     return sorted_ids, block_expert, npost
