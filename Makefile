@@ -1,6 +1,7 @@
 # Two commands: `make serve` (serve the built-in tiny model) and `make test` (the test suite).
 # Both create .venv when missing and install the project; on a machine without an NVIDIA GPU
 # they install the CPU build of torch first (GPU users bring their CUDA build of torch).
+# Without a GPU, `make test` then runs the Triton kernels under Triton's CPU interpreter too.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -11,7 +12,26 @@ SERVE_ARGS ?=
 PYTEST_ARGS ?=
 LINT_PATHS := $(wildcard safeserve tests kernels)
 
-.PHONY: serve test lint format clean install install-test
+# The interpreter run (TRITON_INTERPRET=1, its own pytest process: the variable changes what other
+# tests run). Its tests: test_interpreter_* and paged attention's decode/store kernel tests.
+# Without a GPU, Triton and a NumPy below 2.4 go into a folder of their own on that run's
+# PYTHONPATH only: Triton 3.6's interpreter fails on NumPy 2.4 (3.9's fails on these kernels), the
+# package pins neither, and the normal run keeps a CPU user's install (no Triton, newest NumPy).
+# Where a GPU is found nothing is installed: the CUDA build of torch pins its own Triton.
+TRITON_INTERP ?= triton==3.6.0 "numpy<2.4"
+INTERP_SITE := $(VENV)/triton-interpreter
+INTERP_TESTS ?= tests/kernels -m "not gpu" -k "interpreter or decode_kernel or store_kernel"
+# --min-passed: these tests skip where Triton is missing, and a run that only skipped must fail.
+INTERP_RUN = $(PY) -m pytest -q --min-passed=1 $(INTERP_TESTS)
+ifeq ($(HAS_GPU),)
+INTERP_DEPS := $(VENV)/.installed-test $(VENV)/.triton-interpreter
+INTERP_RUN := TRITON_INTERPRET=1 PYTHONPATH=$(abspath $(INTERP_SITE)) $(INTERP_RUN)
+else
+INTERP_DEPS := $(VENV)/.installed-test
+INTERP_RUN := TRITON_INTERPRET=1 $(INTERP_RUN)
+endif
+
+.PHONY: serve test test-interpreter lint format clean install install-test
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -31,14 +51,25 @@ $(VENV)/.installed-test: pyproject.toml $(VENV)/.torch
 	$(PY) -m pip install -q -e '.[test]'
 	@touch $@ $(VENV)/.installed
 
+$(VENV)/.triton-interpreter: | $(PY)
+	rm -rf $(INTERP_SITE)
+	$(PY) -m pip install -q --target $(INTERP_SITE) $(TRITON_INTERP)
+	@touch $@
+
 install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
 
 serve: $(VENV)/.installed
 	$(VENV)/bin/safeserve serve $(SERVE_ARGS)
 
-test: $(VENV)/.installed-test
+test: $(INTERP_DEPS)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+ifeq ($(HAS_GPU),)
+	$(INTERP_RUN)
+endif
+
+test-interpreter: $(INTERP_DEPS)
+	$(INTERP_RUN)
 
 lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff format --check $(LINT_PATHS)
