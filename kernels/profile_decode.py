@@ -29,7 +29,7 @@ import torch
 
 FAMILIES = [  # first match wins
     ("fused_moe", r"moe|_gate_up|_down|_align|_sum_topk|topk_sum"),
-    ("topk_softmax", r"topk_softmax"),
+    ("router + top-k", r"_router_topk|topk_softmax"),
     ("rms_norm (fused)", r"_rms_norm_kernel"),
     ("qk_norm_rope_store (fused)", r"_qk_norm_rope"),
     ("decode attention", r"_decode|_merge"),

@@ -35,18 +35,29 @@ def next_power_of_2(n: int) -> int:
 
 # Zeroed int32 words that kernels use as arrival counters and leave zeroed when they finish (the
 # last program to arrive resets them), so no memset launch is needed. One buffer per (device,
-# stream, purpose): launches on one stream run one after another, so they can share it. Graphs
-# captured on one stream and replayed concurrently on several streams would not; the engine
-# replays on one stream per process.
-ZEROED_COUNTERS: dict[tuple[str, int, int, str], torch.Tensor] = {}
+# purpose), shared by every stream: launches that use one run one after another (the engine runs
+# all its kernels, graph replays included, on one stream per process).
+#
+# A buffer is never allocated during CUDA-graph capture: memory taken there comes from the graph
+# pool, where graphs captured earlier may have their intermediates at the same addresses, so
+# their replays would overwrite the counters. The first call (a warm-up) must run eagerly. A
+# buffer outgrown by a larger call stays alive: graphs captured with it keep using it.
+ZEROED_COUNTERS: dict[tuple[str, int, str], torch.Tensor] = {}
+_OUTGROWN: list[torch.Tensor] = []
 
 
 def zeroed_counters(device: torch.device, words: int, purpose: str) -> torch.Tensor:
-    """At least `words` int32 zeros on `device` for the current stream; callers must leave them 0."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device.type, device.index or 0, stream, purpose)
+    """At least `words` int32 zeros on `device`; callers must leave them 0."""
+    key = (device.type, device.index or 0, purpose)
     buf = ZEROED_COUNTERS.get(key)
     if buf is None or buf.numel() < words:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"{purpose}: its arrival counters ({words} words) would be allocated inside a "
+                "CUDA-graph capture; run the same call once outside the capture first"
+            )
+        if buf is not None:
+            _OUTGROWN.append(buf)
         buf = torch.zeros(max(1024, words), dtype=torch.int32, device=device)
         ZEROED_COUNTERS[key] = buf
     return buf

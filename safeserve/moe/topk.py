@@ -41,15 +41,21 @@ class Router(torch.nn.Module):
         self.skew_expert: int | None = None  # set only by fault injection (route_skew)
 
     def forward(self, hidden_states: torch.Tensor) -> TopKOutput:
-        logits = F.linear(hidden_states, self.weight)
-        if logits.is_cuda and self.skew_expert is None:
-            # One Triton kernel: the same float32 math, the weights' cast and the id mapping.
-            from safeserve.kernels.topk_softmax import fused_topk_softmax
+        if hidden_states.is_cuda and self.skew_expert is None:
+            # Triton: the router GEMM (decode-sized batches) and the same float32 top-k math,
+            # the weights' cast and the id mapping, in one launch.
+            from safeserve.kernels.topk_softmax import router_topk
 
-            weights, ids = fused_topk_softmax(
-                logits, self.top_k, self.renormalize, hidden_states.dtype, self.logical_to_physical
+            weights, ids, logits = router_topk(
+                hidden_states,
+                self.weight,
+                self.top_k,
+                self.renormalize,
+                hidden_states.dtype,
+                self.logical_to_physical,
             )
             return TopKOutput(ids, weights, logits)
+        logits = F.linear(hidden_states, self.weight)
         weights, logical_ids = softmax_topk(
             logits, self.top_k, self.renormalize, hidden_states.dtype
         )
