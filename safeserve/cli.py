@@ -7,7 +7,7 @@ import logging
 import sys
 
 from safeserve.chaos.cli import add_chaos_args
-from safeserve.config import ConfigError, ServerArgs
+from safeserve.config import TINY_MODEL, ConfigError, ServerArgs
 from safeserve.oncall.cli import add_oncall_args
 
 
@@ -25,7 +25,7 @@ def _serve(ns: argparse.Namespace) -> int:
 
     from safeserve.engine.parallel import Layout
     from safeserve.model.config import ModelConfigError
-    from safeserve.model.loader import LoadError, load_model_config
+    from safeserve.model.loader import LoadError, check_checkpoint, load_model_config
     from safeserve.model.sharding import LayoutError, check_layout
     from safeserve.model.tokenizer import TokenizerError
     from safeserve.server.app import build_app
@@ -35,6 +35,8 @@ def _serve(ns: argparse.Namespace) -> int:
         cfg = load_model_config(args.model)
         for rank in range(args.tp_size):
             check_layout(cfg, Layout(rank, args.tp_size, args.ep_size, args.enable_dp_attention))
+        if args.model != TINY_MODEL and args.load_format != "dummy":
+            check_checkpoint(args.model, cfg)
         if args.device == "cuda":
             import torch
 

@@ -163,6 +163,41 @@ class _Checkpoint:
         return self.handles[self.weight_map[name]].get_slice(name)[index]
 
 
+def check_checkpoint(model: str, cfg: ModelConfig) -> None:
+    """Header-only check, before any rank starts, that the checkpoint holds every tensor the
+    model needs with its full shape (no tensor data is read). A broken checkpoint then fails in
+    a second with the tensor named, instead of after every group's start-up and restarts."""
+    try:
+        ckpt = _Checkpoint(Path(model))
+    except LoadError:
+        raise
+    except Exception as e:  # unreadable index or safetensors header
+        raise LoadError(f"cannot read the checkpoint in {model}: {e}") from e
+    h, w = cfg.hidden_size, cfg.moe_intermediate_size
+
+    def expect(name: str, shape: tuple[int, ...]) -> None:
+        if name not in ckpt:
+            raise LoadError(f"checkpoint in {model} has no tensor {name!r}")
+        if ckpt.shape(name) != shape:
+            raise LoadError(f"{name}: checkpoint shape {ckpt.shape(name)} != expected {shape}")
+
+    for name, (full_shape, piece) in sorted(shard_specs(cfg, Layout()).items()):
+        if not isinstance(piece, ExpertSlice):
+            expect(_hf_name(name), full_shape)
+            continue
+        prefix = "model." + name.rsplit(".", 1)[0] + "."
+        fused = prefix + ("gate_up_proj" if piece.is_w13 else "down_proj")
+        if fused in ckpt:
+            expect(fused, full_shape)
+            continue
+        for e in range(cfg.num_experts):
+            if piece.is_w13:
+                expect(f"{prefix}{e}.gate_proj.weight", (w, h))
+                expect(f"{prefix}{e}.up_proj.weight", (w, h))
+            else:
+                expect(f"{prefix}{e}.down_proj.weight", (h, w))
+
+
 def _hf_name(name: str) -> str:
     if name == "lm_head.weight":
         return name
