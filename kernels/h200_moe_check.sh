@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# One device call on an H200: sweeps of hand-picked fused-MoE configs at 1-2 tokens (L2 prefetch
-# of the down weights) and at 4,096 tokens (tiles), each writing a table with the winners; the
-# micro-benchmark of every token count with the final table, the measured ceilings and the
-# per-launch breakdown; then the GPU tests of the fused MoE kernels in parallel shards. Results
-# land in $OUT.
+# One device call on an H200: sweeps of hand-picked fused-MoE configs at 1-2 tokens
+# (kernels/configs/sweep_decode.json) and at 4,096 tokens (sweep_t4096.json; SWEEP_4096=0 skips
+# it), each writing a table with the winners; the micro-benchmark of every token count with the
+# final table, the measured ceilings, a paired matmul from 1,024 tokens and (BREAKDOWN=1) the
+# per-launch times; then the GPU tests of the fused MoE kernels in parallel shards (SHARDS,
+# TEST_K). Results land in $OUT.
 set -u -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/safeserve-out}
