@@ -24,6 +24,7 @@ def _serve(ns: argparse.Namespace) -> int:
     import uvicorn
 
     from safeserve.engine.parallel import Layout
+    from safeserve.kernels.moe_config import ConfigTableError, check_override_table
     from safeserve.model.config import ModelConfigError
     from safeserve.model.loader import LoadError, check_checkpoint, load_model_config
     from safeserve.model.sharding import LayoutError, check_layout
@@ -37,6 +38,7 @@ def _serve(ns: argparse.Namespace) -> int:
             check_layout(cfg, Layout(rank, args.tp_size, args.ep_size, args.enable_dp_attention))
         if args.model != TINY_MODEL and args.load_format != "dummy":
             check_checkpoint(args.model, cfg)
+        check_override_table()
         if args.device == "cuda":
             import torch
 
@@ -48,7 +50,7 @@ def _serve(ns: argparse.Namespace) -> int:
                     f"--num-groups {args.num_groups} x --tp-size {args.tp_size} needs CUDA devices "
                     f"up to index {needed - 1}; {torch.cuda.device_count()} visible"
                 )
-    except (ModelConfigError, LoadError, LayoutError) as e:
+    except (ModelConfigError, LoadError, LayoutError, ConfigTableError) as e:
         print(f"safeserve: error: {e}", file=sys.stderr)
         return 2
 

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -63,3 +64,20 @@ def test_bad_checkpoint_fails_start_with_clear_error(tmp_path) -> None:
     r = _cli("serve", "--model", str(tmp_path), "--port", "0")
     assert r.returncode == 2
     assert "model_type 'llama' is not supported" in r.stderr
+
+
+def test_bad_fused_moe_table_is_refused_before_start(tmp_path) -> None:
+    """SAFESERVE_FUSED_MOE_CONFIG naming a missing or broken table: exit 2 at start-up, not a
+    silent fallback or a rank failing at its first MoE layer."""
+    table = tmp_path / "table.json"
+    table.write_text('{"configs": {"1": {"mode": "pair", "BLOCK_M": 16}}}')
+    for path, message in ((tmp_path / "missing.json", "no such file"), (table, "gemm1 is missing")):
+        r = subprocess.run(
+            [sys.executable, "-m", "safeserve.cli", "serve", "--model", "tiny", "--port", "0"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "SAFESERVE_FUSED_MOE_CONFIG": str(path)},
+        )
+        assert r.returncode == 2, r.stderr[-2000:]
+        assert message in r.stderr and str(path) in r.stderr

@@ -65,21 +65,92 @@ def config_file_name(num_experts: int, hidden: int, inter: int, device_name: str
     return f"E{num_experts}_H{hidden}_I{inter}_{dev}.json"
 
 
+class ConfigTableError(ValueError):
+    """A tile table that the kernels cannot use; the message names the file, entry and key."""
+
+
+_POW2_TILES = (16, 32, 64, 128, 256, 512)
+_ENTRY_KEYS = {"mode", "BLOCK_M", "gemm1", "gemm2", "pdl", "tuned_us"}
+_GEMM_KEYS = {"BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"}
+_GEMM_OPTIONS = {"interleave", "split", "evict_first"}
+
+
+def check_config(cfg: Config, where: str) -> None:
+    """Raise ConfigTableError for an entry the launcher would misread or Triton reject: unknown
+    keys (a misspelt option would be silently ignored), a plan that does not exist, tiles that
+    are not powers of two, warp counts or stages out of range."""
+
+    def bad(msg: str) -> ConfigTableError:
+        return ConfigTableError(f"{where}: {msg}")
+
+    if not isinstance(cfg, dict):
+        raise bad("an entry must be an object")
+    unknown = set(cfg) - _ENTRY_KEYS
+    if unknown:
+        raise bad(f"unknown keys {sorted(unknown)} (known: {sorted(_ENTRY_KEYS)})")
+    if cfg.get("mode") not in (*PAIR_MODES, "sorted"):
+        raise bad(f"mode {cfg.get('mode')!r} is not 'pair' or 'sorted'")
+    if cfg.get("BLOCK_M") not in _POW2_TILES:
+        raise bad(f"BLOCK_M {cfg.get('BLOCK_M')!r} is not one of {_POW2_TILES}")
+    if cfg.get("pdl", False) not in (False, True, "wait"):
+        raise bad(f'pdl {cfg["pdl"]!r} is not false, true or "wait"')
+    for name in ("gemm1", "gemm2"):
+        k = cfg.get(name)
+        if not isinstance(k, dict):
+            raise bad(f"{name} is missing")
+        unknown = set(k) - _GEMM_KEYS - _GEMM_OPTIONS
+        if unknown:
+            raise bad(f"{name}: unknown keys {sorted(unknown)}")
+        for key in ("BLOCK_N", "BLOCK_K"):
+            if k.get(key) not in _POW2_TILES:
+                raise bad(f"{name}.{key} {k.get(key)!r} is not one of {_POW2_TILES}")
+        if k.get("num_warps") not in (1, 2, 4, 8, 16):
+            raise bad(f"{name}.num_warps {k.get('num_warps')!r} is not 1, 2, 4, 8 or 16")
+        if not isinstance(k.get("num_stages"), int) or not 1 <= k["num_stages"] <= 8:
+            raise bad(f"{name}.num_stages {k.get('num_stages')!r} is not 1..8")
+        if not isinstance(k.get("GROUP_M", 1), int) or k.get("GROUP_M", 1) < 1:
+            raise bad(f"{name}.GROUP_M {k.get('GROUP_M')!r} is not a positive integer")
+        split = k.get("split", 1)
+        if not isinstance(split, int) or split < 1:
+            raise bad(f"{name}.split {split!r} is not a positive integer")
+
+
 @functools.lru_cache(maxsize=64)
 def load_config_table(path: str) -> dict[int, Config] | None:
-    """Token count -> config, from one JSON file (None when the file does not exist)."""
+    """Token count -> config, from one JSON file (None when the file does not exist).
+
+    Raises ConfigTableError when the file is not a valid table (see `check_config`)."""
     p = Path(path)
     if not p.is_file():
         return None
-    data = json.loads(p.read_text())
-    table = data.get("configs", data)
-    return {int(k): v for k, v in table.items()}
+    try:
+        data = json.loads(p.read_text())
+        table = data.get("configs", data)
+        out = {int(k): v for k, v in table.items()}
+    except (ValueError, AttributeError) as e:
+        raise ConfigTableError(f"{path}: not a token-count -> config table ({e})") from e
+    if not out:
+        raise ConfigTableError(f"{path}: the table is empty")
+    for tokens, cfg in out.items():
+        if tokens < 1:
+            raise ConfigTableError(f"{path}: token count {tokens} is not positive")
+        check_config(cfg, f"{path}, {tokens} tokens")
+    return out
 
 
 def nearest_config(table: dict[int, Config], num_tokens: int) -> Config:
     """The entry whose token count is nearest (ties go to the smaller count)."""
     best = min(table, key=lambda k: (abs(k - num_tokens), k))
     return table[best]
+
+
+def check_override_table() -> None:
+    """At start-up: the table `SAFESERVE_FUSED_MOE_CONFIG` names, if set, exists and is valid
+    (the lookup would otherwise fall back to the heuristic without a word, or a rank would fail
+    at its first MoE layer)."""
+    path = os.environ.get("SAFESERVE_FUSED_MOE_CONFIG")
+    if path and load_config_table(path) is None:
+        raise ConfigTableError(f"SAFESERVE_FUSED_MOE_CONFIG={path}: no such file")
 
 
 def get_config(
