@@ -248,47 +248,6 @@ if HAS_TRITON:
             y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n[None, :] < N)
         )
 
-    @triton.jit
-    def _down_pair_slot(slots, slot_ids, it, s_lo, num_k, BLOCK_K: tl.constexpr):
-        """Slot, its expert (-1 when dropped or past top-k) and K offset of iteration `it`."""
-        s = s_lo + it // num_k
-        expert = tl.sum(tl.where(slots == s, slot_ids + 1, 0), axis=0) - 1
-        return s, expert, (it % num_k) * BLOCK_K
-
-    @triton.jit
-    def _down_pair_a(
-        a_ptr, slots, slot_ids, pid_t, it, s_lo, num_k, row0, K, stride_am,
-        TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    ):  # fmt: skip
-        """The pair's intermediate row for iteration `it`, in row 0 of an [M, BLOCK_K] tile."""
-        s, expert, k0 = _down_pair_slot(slots, slot_ids, it, s_lo, num_k, BLOCK_K)
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        pair = (pid_t * TOP_K + s).to(tl.int64)
-        ptrs = a_ptr + pair * stride_am + offs_k[None, :] + row0[:, None].to(tl.int64) * 0
-        mask = row0[:, None] & (expert >= 0)
-        if not EVEN_K:
-            mask = mask & (offs_k < K)[None, :]
-        return tl.load(ptrs, mask=mask, other=0.0)
-
-    @triton.jit
-    def _down_pair_b(
-        w_ptr, slots, slot_ids, it, s_lo, num_k, offs_nw, K, stride_we, stride_wn,
-        BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, B_EVICT: tl.constexpr,
-    ):  # fmt: skip
-        """The [BLOCK_K, BLOCK_N] down-weight tile of iteration `it` (zeros for a dropped slot)."""
-        s, expert, k0 = _down_pair_slot(slots, slot_ids, it, s_lo, num_k, BLOCK_K)
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        ptrs = (
-            w_ptr
-            + tl.maximum(expert, 0).to(tl.int64) * stride_we
-            + offs_nw[None, :] * stride_wn
-            + offs_k[:, None]
-        )
-        mask = expert >= 0
-        if not EVEN_K:
-            mask = mask & (offs_k < K)[:, None]
-        return tl.load(ptrs, mask=mask, other=0.0, eviction_policy=B_EVICT)
-
     @triton.jit(do_not_specialize=["num_tokens"])
     def _down_pair_kernel(
         a_ptr,
@@ -348,23 +307,35 @@ if HAS_TRITON:
                     if e >= 0:
                         pf = w_ptr + e.to(tl.int64) * stride_we + (offs_n % N)[:, None] * stride_wn
                         _prefetch_l2(pf + line_k[None, :])
+            tl.extra.cuda.gdc_wait()
         slots_per: tl.constexpr = (TOP_K + SPLIT - 1) // SPLIT
         s_lo = group * slots_per
-        row0 = tl.arange(0, BLOCK_M) == 0
+        offs_r = tl.arange(0, BLOCK_M)
+        row0 = offs_r == 0
         offs_nw = offs_n % N
+        offs_k = tl.arange(0, BLOCK_K)
         num_k = tl.cdiv(K, BLOCK_K)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        if USE_PDL:
-            tl.extra.cuda.gdc_wait()
         for it in range(0, slots_per * num_k):
-            a = _down_pair_a(
-                a_ptr, slots, slot_ids, pid_t, it, s_lo, num_k, row0, K, stride_am,
-                TOP_K, BLOCK_K, EVEN_K,
-            )  # fmt: skip
-            b = _down_pair_b(
-                w_ptr, slots, slot_ids, it, s_lo, num_k, offs_nw, K, stride_we, stride_wn,
-                BLOCK_K, EVEN_K, B_EVICT,
-            )  # fmt: skip
+            s = s_lo + it // num_k
+            k0 = (it % num_k) * BLOCK_K
+            expert = tl.sum(tl.where(slots == s, slot_ids + 1, 0), axis=0) - 1  # -1 past TOP_K
+            ok = expert >= 0
+            pair = (pid_t * TOP_K + s).to(tl.int64)
+            a_ptrs = a_ptr + pair * stride_am + (k0 + offs_k)[None, :] + offs_r[:, None] * 0
+            b_ptrs = (
+                w_ptr
+                + tl.maximum(expert, 0).to(tl.int64) * stride_we
+                + offs_nw[None, :] * stride_wn
+                + (k0 + offs_k)[:, None]
+            )
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row0[:, None] & ok, other=0.0)
+                b = tl.load(b_ptrs, mask=ok, other=0.0, eviction_policy=B_EVICT)
+            else:
+                k_ok = (k0 + offs_k) < K
+                a = tl.load(a_ptrs, mask=row0[:, None] & k_ok[None, :] & ok, other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok[:, None] & ok, other=0.0, eviction_policy=B_EVICT)
             acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         res = tl.sum(tl.where(row0[:, None], acc, 0.0), axis=0)
         o_ptrs = out_ptr + pid_t.to(tl.int64) * stride_ot + offs_n

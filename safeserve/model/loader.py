@@ -185,8 +185,7 @@ def check_checkpoint(model: str, cfg: ModelConfig) -> None:
         if not isinstance(piece, ExpertSlice):
             expect(_hf_name(name), full_shape)
             continue
-        prefix = "model." + name.rsplit(".", 1)[0] + "."
-        fused = prefix + ("gate_up_proj" if piece.is_w13 else "down_proj")
+        prefix, fused = _expert_names(name, piece)
         if fused in ckpt:
             expect(fused, full_shape)
             continue
@@ -215,7 +214,7 @@ def load_safetensors(
         full_shape, piece = specs[name]
         dst = params[name]
         if isinstance(piece, ExpertSlice):
-            _load_experts(ckpt, dst, "model." + name.rsplit(".", 1)[0] + ".", piece, full_shape)
+            _load_experts(ckpt, dst, name, piece, full_shape)
             continue
         hf = _hf_name(name)
         shape = ckpt.shape(hf)
@@ -226,14 +225,21 @@ def load_safetensors(
     logger.info("loaded %d tensors from %s", len(specs), model_dir)
 
 
+def _expert_names(name: str, piece: ExpertSlice) -> tuple[str, str]:
+    """For our stacked expert parameter `name`: the checkpoint's per-expert prefix
+    (`model.layers.L.mlp.experts.`) and its fused tensor's name (gate_up_proj / down_proj)."""
+    prefix = "model." + name.rsplit(".", 1)[0] + "."
+    return prefix, prefix + ("gate_up_proj" if piece.is_w13 else "down_proj")
+
+
 def _load_experts(
     ckpt: _Checkpoint,
     dst: torch.Tensor,
-    prefix: str,
+    name: str,
     piece: ExpertSlice,
     full_shape: tuple[int, ...],
 ) -> None:
-    fused = prefix + ("gate_up_proj" if piece.is_w13 else "down_proj")
+    prefix, fused = _expert_names(name, piece)
     if fused in ckpt:
         if ckpt.shape(fused) != full_shape:
             raise LoadError(
