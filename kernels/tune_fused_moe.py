@@ -42,8 +42,8 @@ from bench_fused_moe import (  # noqa: E402
 from safeserve.kernels import fused_moe as fm  # noqa: E402
 from safeserve.kernels import moe_config as mc  # noqa: E402
 
-# (mode, BLOCK_M); mode "pair_pdl_wait" = pair plan whose down kernel is a dependent launch that
-# waits for gate/up ("pdl": "wait"; the variant with an L2 prefetch never won on an H200)
+# (mode, BLOCK_M). On Hopper every launch is a programmatic dependent (kernels/common.py), the
+# down kernel included, so no "pdl" variant is searched (its L2-prefetch form never won on an H200).
 Plan = tuple[str, int]
 _SMEM_LIMIT = mc.SMEM_BUDGET
 
@@ -116,7 +116,7 @@ def plans_for(num_tokens: int, top_k: int, num_experts: int) -> list[Plan]:
     per_expert = num_tokens * top_k / num_experts
     plans: list[Plan] = []
     if num_tokens <= 16:
-        plans += [("pair", 16), ("pair_pdl_wait", 16)]
+        plans.append(("pair", 16))
     if per_expert <= 24:
         plans.append(("sorted", 16))
     if 4 <= per_expert <= 80:
@@ -129,8 +129,6 @@ def plans_for(num_tokens: int, top_k: int, num_experts: int) -> list[Plan]:
 
 
 def full(plan: Plan, g1: mc.Config, g2: mc.Config) -> mc.Config:
-    if plan[0] == "pair_pdl_wait":
-        return {"mode": "pair", "pdl": "wait", "BLOCK_M": plan[1], "gemm1": g1, "gemm2": g2}
     return {"mode": plan[0], "BLOCK_M": plan[1], "gemm1": g1, "gemm2": g2}
 
 

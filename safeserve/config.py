@@ -127,6 +127,13 @@ class ServerArgs:
     disable_cuda_graph: bool = _flag(
         False, "Run decode steps eagerly, without CUDA graphs.", "performance"
     )
+    disable_pdl: bool = _flag(
+        False,
+        "Launch the Triton kernels as ordinary launches, not as programmatic dependent launches "
+        "(Hopper and newer: each kernel's programs are scheduled while the kernel before it "
+        "finishes, then wait for it).",
+        "performance",
+    )
 
     # -- groups --------------------------------------------------------------------------------
     num_groups: int = _flag(

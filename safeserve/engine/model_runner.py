@@ -21,6 +21,7 @@ from safeserve.engine.parallel import Comm, Layout
 from safeserve.engine.plan import Faults, SeqPlan, StepPlan
 from safeserve.engine.sampler import sample
 from safeserve.guards.admission import DispatchBuffers, bytes_per_recv_row
+from safeserve.kernels.common import set_pdl
 from safeserve.model.loader import DTYPES, build_model, load_model_config
 from safeserve.model.sharding import expert_split, head_split
 from safeserve.moe.dispatch import StepTokens, make_dispatcher
@@ -48,6 +49,7 @@ class ModelRunner:
         device_index: int | None = None,
     ) -> None:
         self.args = args
+        set_pdl(not args.disable_pdl)  # before any kernel is launched (or captured)
         self.layout = Layout(rank, args.tp_size, args.ep_size, args.enable_dp_attention)
         self.device = rank_device(args, rank, device_index)
         if self.device.type == "cuda":

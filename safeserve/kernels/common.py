@@ -6,6 +6,7 @@ defined, and every entry point runs its torch reference.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -26,6 +27,44 @@ def use_kernels(t: torch.Tensor) -> bool:
     if not HAS_TRITON:
         return False
     return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# Programmatic dependent launch (Hopper and newer). Every Triton kernel on the engine's paths takes
+# a ``USE_PDL`` constexpr and, when it is set, is launched with ``launch_pdl=True`` and calls
+# `pdl_wait` before it touches memory written by an earlier launch: the kernel's programs are
+# scheduled while the launch before it finishes (the launch gap and block start-up overlap its
+# tail), then wait until it has completed and its writes are visible. Each kernel also lets its
+# own dependent start early, so a chain of such launches stays ordered: a kernel completes only
+# after its wait returned, which needed the kernel before it to have completed. Library kernels
+# (cuBLAS, NCCL, torch's elementwise ops) launch as usual. Reads before the wait are allowed only
+# of weights (never written while serving). `--disable-pdl` turns it off.
+_PDL_ENABLED = True
+
+
+def set_pdl(enabled: bool) -> None:
+    """Whether kernels launch as programmatic dependents where the device supports it."""
+    global _PDL_ENABLED
+    _PDL_ENABLED = enabled
+
+
+@functools.cache
+def _pdl_device(index: int) -> bool:
+    major = torch.cuda.get_device_capability(index)[0]
+    return major >= 9 and hasattr(tl.extra.cuda, "gdc_wait")
+
+
+def pdl_supported(device: torch.device | None = None) -> bool:
+    """Programmatic dependent launch is on and `device` (default: the current CUDA device) has
+    it: Hopper or newer, Triton with ``gdc_wait``, not under the interpreter."""
+    if not (_PDL_ENABLED and HAS_TRITON) or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    if device is None:
+        if not torch.cuda.is_available():
+            return False
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type != "cuda":
+        return False
+    return _pdl_device(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def next_power_of_2(n: int) -> int:
@@ -61,3 +100,17 @@ def zeroed_counters(device: torch.device, words: int, purpose: str) -> torch.Ten
         buf = torch.zeros(max(1024, words), dtype=torch.int32, device=device)
         ZEROED_COUNTERS[key] = buf
     return buf
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def pdl_wait(USE_PDL: tl.constexpr):
+        """A kernel's first step: with USE_PDL (launched with ``launch_pdl=True``), wait for the
+        launch before it to complete, then let the next launch's programs be scheduled."""
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+
+else:  # pragma: no cover - exercised where Triton is missing
+    pdl_wait = None

@@ -15,10 +15,14 @@ Two launch plans, picked per token count by the tuned config (`"mode"`):
   program, so the top-k sum happens in registers. Two launches in all. ``"split": n`` in
   ``gemm2`` shares a token's slots among n programs (n times as many programs stream a decode
   step's down weights); each writes a float32 partial and the last one of a tile sums them in a
-  fixed order. Optional ``"pdl": "wait"`` launches the down kernel as a programmatic dependent of
-  gate/up (its programs wait, resident, for gate/up to end); ``"pdl": true`` also has them
-  prefetch their weights into L2 before waiting (measured slower on an H200, kernels/RESULTS.md).
-  ``"evict_first": true`` in a GEMM's config marks its weight loads evict-first in the caches.
+  fixed order. ``"pdl": true`` has the down kernel's programs prefetch their weights into L2
+  before they wait for gate/up (measured slower on an H200, kernels/RESULTS.md); ``"wait"`` and
+  false do not. ``"evict_first": true`` in a GEMM's config marks its weight loads evict-first in
+  the caches.
+
+Where the device has programmatic dependent launch (kernels/common.py, `pdl_supported`), every
+launch here is a dependent of the one before it: its programs are resident, waiting, when the
+previous kernel ends.
 
 ``"interleave": true`` in ``gemm1`` (both plans) loads gate and up columns alternately into one
 B tile, so one dot of twice the width computes both (one accumulator, wider tensor-core
@@ -39,6 +43,8 @@ import torch
 from safeserve.kernels.common import (
     HAS_TRITON,
     next_power_of_2,
+    pdl_supported,
+    pdl_wait,
     tl,
     triton,
     use_kernels,
@@ -125,9 +131,7 @@ if HAS_TRITON:
         the B tile holds gate and up columns alternately, so one dot of width 2*BLOCK_N does both
         (wider tensor-core instructions, one accumulator) and the epilogue splits it.
         """
-        if USE_PDL:
-            # let the down kernel start now: it prefetches its weights while this one streams
-            tl.extra.cuda.gdc_launch_dependents()
+        pdl_wait(USE_PDL)
         pid = tl.program_id(0)
         num_pid_n = tl.cdiv(N, BLOCK_N)
         if PAIR_MODE:
@@ -219,8 +223,10 @@ if HAS_TRITON:
         EVEN_K: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
         B_EVICT: tl.constexpr,
+        USE_PDL: tl.constexpr,
     ):
         """y[pair, n] = a[row] @ down[e].T for one row tile of one expert (N = hidden, K = I)."""
+        pdl_wait(USE_PDL)
         pid = tl.program_id(0)
         num_pid_n = tl.cdiv(N, BLOCK_N)
         group = GROUP_M * num_pid_n
@@ -285,29 +291,31 @@ if HAS_TRITON:
         result does not depend on arrival order), writes out and zeroes the counter again.
 
         With USE_PDL this kernel is launched while the gate/up kernel still runs and waits for it
-        (its programs are resident when gate/up ends); with PDL_PREFETCH it first asks L2 for its
-        weight slices (they do not depend on that kernel).
+        (its programs are resident when gate/up ends); with PDL_PREFETCH (only with USE_PDL) it
+        first asks L2 for its weight slices. Those reads come before the wait: the weights are
+        constant, and the ids were written by the router, which completed before gate/up's
+        programs, each after its own wait, let this launch start.
         """
         pid = tl.program_id(0)
         group = pid % SPLIT
         pid_t = (pid // SPLIT) % num_tokens
         pid_n = pid // (SPLIT * num_tokens)
         slots = tl.arange(0, K_PAD)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        if PDL_PREFETCH:
+            # one L2 prefetch per 128-byte line of each valid slot's [BLOCK_N, K] slice
+            pre_ids = tl.load(ids_ptr + pid_t * TOP_K + slots, mask=slots < TOP_K, other=-1)
+            line_k = tl.minimum(tl.arange(0, K_LINES) * LINE_ELEMS, K - 1)
+            for j in tl.static_range(TOP_K):
+                e = tl.sum(tl.where(slots == j, pre_ids.to(tl.int32), 0), axis=0)
+                if e >= 0:
+                    pf = w_ptr + e.to(tl.int64) * stride_we + (offs_n % N)[:, None] * stride_wn
+                    _prefetch_l2(pf + line_k[None, :])
+        pdl_wait(USE_PDL)
         slot_ids = tl.load(ids_ptr + pid_t * TOP_K + slots, mask=slots < TOP_K, other=-1).to(
             tl.int32
         )
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < N
-        if USE_PDL:
-            if PDL_PREFETCH:
-                # one L2 prefetch per 128-byte line of each valid slot's [BLOCK_N, K] slice
-                line_k = tl.minimum(tl.arange(0, K_LINES) * LINE_ELEMS, K - 1)
-                for j in tl.static_range(TOP_K):
-                    e = tl.sum(tl.where(slots == j, slot_ids, 0), axis=0)
-                    if e >= 0:
-                        pf = w_ptr + e.to(tl.int64) * stride_we + (offs_n % N)[:, None] * stride_wn
-                        _prefetch_l2(pf + line_k[None, :])
-            tl.extra.cuda.gdc_wait()
         slots_per: tl.constexpr = (TOP_K + SPLIT - 1) // SPLIT
         s_lo = group * slots_per
         offs_r = tl.arange(0, BLOCK_M)
@@ -365,8 +373,10 @@ if HAS_TRITON:
         stride_ot,
         TOP_K: tl.constexpr,
         BLOCK_N: tl.constexpr,
+        USE_PDL: tl.constexpr,
     ):
         """out[t] = sum over slots s with id >= 0 of y[t*k+s] (float32 accumulation)."""
+        pdl_wait(USE_PDL)
         pid_t = tl.program_id(0)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
@@ -473,6 +483,7 @@ class MoeLaunch:
         self.pair_mode = self.cfg["mode"] in PAIR_MODES
         # float32 runs are correctness runs (checked against transformers to 1e-4): no tf32 there.
         self.dot_precision = "ieee" if self.dtype == torch.float32 else "tf32"
+        self.pdl = pdl_supported(self.device)  # every launch a programmatic dependent
         self.sorted_ids = self.block_expert = self.npost = self.ids  # unused by the pair plan
         self.num_blocks = self.num_pairs
         self.cache: torch.Tensor | None = None
@@ -520,11 +531,12 @@ class MoeLaunch:
             PAIR_MODE=self.pair_mode,
             EVEN_K=self.hidden % g1["BLOCK_K"] == 0,
             DOT_PRECISION=self.dot_precision,
-            USE_PDL=self.cfg["pdl"],
+            USE_PDL=self.pdl,
             INTERLEAVE=bool(g1.get("interleave", False)),
             B_EVICT=_evict(g1),
             num_warps=g1["num_warps"],
             num_stages=g1["num_stages"],
+            launch_pdl=self.pdl,
         )
 
     def down(self) -> None:
@@ -566,15 +578,15 @@ class MoeLaunch:
             BLOCK_K=g2["BLOCK_K"],
             EVEN_K=self.inter % g2["BLOCK_K"] == 0,
             DOT_PRECISION=self.dot_precision,
-            USE_PDL=self.cfg["pdl"],
-            PDL_PREFETCH=self.cfg["pdl_prefetch"],
+            USE_PDL=self.pdl,
+            PDL_PREFETCH=self.pdl and self.cfg["pdl_prefetch"],
             K_LINES=next_power_of_2(triton.cdiv(self.inter * w2.element_size(), 128)),
             LINE_ELEMS=128 // w2.element_size(),
             SPLIT=split,
             B_EVICT=_evict(g2),
             num_warps=g2["num_warps"],
             num_stages=g2["num_stages"],
-            launch_pdl=self.cfg["pdl"],
+            launch_pdl=self.pdl,
         )
 
     def down_sorted(self) -> None:
@@ -603,8 +615,10 @@ class MoeLaunch:
             EVEN_K=self.inter % g2["BLOCK_K"] == 0,
             DOT_PRECISION=self.dot_precision,
             B_EVICT=_evict(g2),
+            USE_PDL=self.pdl,
             num_warps=g2["num_warps"],
             num_stages=g2["num_stages"],
+            launch_pdl=self.pdl,
         )
 
     def sum_topk(self) -> None:
@@ -621,5 +635,7 @@ class MoeLaunch:
             out.stride(0),
             TOP_K=self.top_k,
             BLOCK_N=block_n,
+            USE_PDL=self.pdl,
             num_warps=4,
+            launch_pdl=self.pdl,
         )

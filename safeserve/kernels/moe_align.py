@@ -14,6 +14,8 @@ import torch
 from safeserve.kernels.common import (
     HAS_TRITON,
     next_power_of_2,
+    pdl_supported,
+    pdl_wait,
     tl,
     triton,
     use_kernels,
@@ -107,12 +109,14 @@ if HAS_TRITON:
         E_PAD: tl.constexpr,
         CHUNK: tl.constexpr,
         BLOCK_R: tl.constexpr,
+        USE_PDL: tl.constexpr,
     ):
         """Whole align in one program (small batches).
 
         scratch: [E_PAD] counts, [E_PAD] segment starts, [num_pairs] rank of each pair within its
         expert (from the atomic counter; the order within an expert does not matter).
         """
+        pdl_wait(USE_PDL)
         e = tl.arange(0, E_PAD)
         counts_ptr = scratch_ptr
         starts_ptr = scratch_ptr + E_PAD
@@ -158,6 +162,7 @@ if HAS_TRITON:
         E_PAD: tl.constexpr,
         CHUNK: tl.constexpr,
         BLOCK_R: tl.constexpr,
+        USE_PDL: tl.constexpr,
     ):
         """Rank of each pair within its expert and sentinel rows; the last program to finish
         lays the experts out and sets the counters back to zero.
@@ -169,6 +174,7 @@ if HAS_TRITON:
         of each expert with one atomic per expert: the shared counters see one atomic per
         (program, expert), not one per pair (4,096 tokens: 23 -> 19 us on an H200).
         """
+        pdl_wait(USE_PDL)
         c = tl.program_id(0)
         offs = c * CHUNK + tl.arange(0, CHUNK)
         ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1).to(tl.int32)
@@ -203,8 +209,15 @@ if HAS_TRITON:
 
     @triton.jit(do_not_specialize=["num_pairs"])
     def _align_scatter_kernel(
-        ids_ptr, scratch_ptr, sorted_ptr, num_pairs, rank_off, CHUNK: tl.constexpr
+        ids_ptr,
+        scratch_ptr,
+        sorted_ptr,
+        num_pairs,
+        rank_off,
+        CHUNK: tl.constexpr,
+        USE_PDL: tl.constexpr,
     ):
+        pdl_wait(USE_PDL)
         c = tl.program_id(0)
         offs = c * CHUNK + tl.arange(0, CHUNK)
         ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1).to(tl.int32)
@@ -241,6 +254,7 @@ def moe_align(
     if num_pairs == 0:
         npost.zero_()
         return sorted_ids, block_expert, npost
+    pdl = pdl_supported(device)
     e_pad = next_power_of_2(num_experts)
     block_r = max(16, min(256, 8192 // e_pad))
     if num_pairs <= _ALIGN_SINGLE_MAX_PAIRS:
@@ -257,7 +271,9 @@ def moe_align(
             E_PAD=e_pad,
             CHUNK=min(_ALIGN_CHUNK, max(16, next_power_of_2(num_pairs))),
             BLOCK_R=block_r,
+            USE_PDL=pdl,
             num_warps=8,
+            launch_pdl=pdl,
         )
         return sorted_ids, block_expert, npost
     # counters left zeroed by the previous call on this stream: no memset launch
@@ -282,9 +298,19 @@ def moe_align(
         E_PAD=e_pad,
         CHUNK=_ALIGN_CHUNK,
         BLOCK_R=block_r,
+        USE_PDL=pdl,
         num_warps=4,
+        launch_pdl=pdl,
     )
     _align_scatter_kernel[(num_chunks,)](
-        ids, scratch, sorted_ids, num_pairs, rank_off, CHUNK=_ALIGN_CHUNK, num_warps=4
+        ids,
+        scratch,
+        sorted_ids,
+        num_pairs,
+        rank_off,
+        CHUNK=_ALIGN_CHUNK,
+        USE_PDL=pdl,
+        num_warps=4,
+        launch_pdl=pdl,
     )
     return sorted_ids, block_expert, npost

@@ -16,8 +16,6 @@ from typing import Any
 
 import torch
 
-from safeserve.kernels.common import HAS_TRITON
-
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
 Config = dict[str, Any]
@@ -193,10 +191,11 @@ def fit_config(cfg: Config, elem_size: int, top_k: int) -> Config:
         out["mode"] = "sorted"
     bm = 16 if out["mode"] in PAIR_MODES else int(out["BLOCK_M"])
     out["BLOCK_M"] = bm
-    # "pdl": "wait" (dependent launch only) or true (also an L2 prefetch); pair plan, Hopper+
-    pdl = cfg.get("pdl", False)
-    out["pdl"] = pdl in (True, "wait") and out["mode"] == "pair" and pdl_supported()
-    out["pdl_prefetch"] = out["pdl"] and pdl is True
+    # Where kernels launch as programmatic dependents (kernels/common.py: Hopper and newer, unless
+    # --disable-pdl) the down kernel is one, whatever "pdl" says; "pdl": true (pair plan) also
+    # has its programs prefetch their weights into L2 before they wait. "wait" and false: no
+    # prefetch (the keys of tables tuned when only the down kernel could be a dependent launch).
+    out["pdl_prefetch"] = cfg.get("pdl", False) is True and out["mode"] == "pair"
     for name, n_b in (("gemm1", 2), ("gemm2", 1)):
         k = out[name]
         while True:
@@ -210,11 +209,3 @@ def fit_config(cfg: Config, elem_size: int, top_k: int) -> Config:
             else:
                 break
     return out
-
-
-@functools.lru_cache(maxsize=1)
-def pdl_supported() -> bool:
-    """Programmatic dependent launch: Hopper or newer, and not under the interpreter."""
-    if not HAS_TRITON or os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9

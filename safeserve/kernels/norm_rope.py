@@ -22,7 +22,15 @@ from __future__ import annotations
 
 import torch
 
-from safeserve.kernels.common import HAS_TRITON, next_power_of_2, tl, triton, use_kernels
+from safeserve.kernels.common import (
+    HAS_TRITON,
+    next_power_of_2,
+    pdl_supported,
+    pdl_wait,
+    tl,
+    triton,
+    use_kernels,
+)
 
 # ---------------------------------------------------------------------------------------------
 # Torch references (the model's CPU path; transformers' numerics).
@@ -91,6 +99,7 @@ def rms_norm(
     if num_rows == 0:
         return out, summed
     block = next_power_of_2(hidden)
+    pdl = pdl_supported(x.device)
     _rms_norm_kernel[(num_rows,)](
         x,
         res,
@@ -103,7 +112,9 @@ def rms_norm(
         eps,
         HAS_RESIDUAL=residual is not None,
         BLOCK=block,
+        USE_PDL=pdl,
         num_warps=max(1, min(8, block // 256)),
+        launch_pdl=pdl,
     )
     return out, summed
 
@@ -143,6 +154,7 @@ def qk_norm_rope_store(
     cos = cos if cos.stride(1) == 1 else cos.contiguous()
     sin = sin if sin.stride(1) == 1 else sin.contiguous()
     half = head_dim // 2
+    pdl = pdl_supported(qkv.device)
     _qk_norm_rope_store_kernel[(num_tokens, num_heads + 2 * num_kv_heads)](
         qkv,
         q_weight,
@@ -166,7 +178,9 @@ def qk_norm_rope_store(
         k_cache.stride(1),
         eps,
         HALF_PAD=next_power_of_2(half),
+        USE_PDL=pdl,
         num_warps=1 if head_dim <= 128 else 2,
+        launch_pdl=pdl,
     )
     return q
 
@@ -190,10 +204,13 @@ if HAS_TRITON:
         eps,
         HAS_RESIDUAL: tl.constexpr,
         BLOCK: tl.constexpr,
+        USE_PDL: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         ok = cols < hidden
+        w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)  # a weight: before the wait
+        pdl_wait(USE_PDL)
         x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
         dtype = x.dtype
         if HAS_RESIDUAL:
@@ -202,7 +219,6 @@ if HAS_TRITON:
             tl.store(sum_ptr + row * hidden + cols, x, mask=ok)
         h = x.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / hidden + eps)
-        w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
         y = (h * rstd).to(dtype).to(tl.float32) * w
         tl.store(out_ptr + row * hidden + cols, y.to(dtype), mask=ok)
 
@@ -230,11 +246,13 @@ if HAS_TRITON:
         stride_ch,
         eps,
         HALF_PAD: tl.constexpr,
+        USE_PDL: tl.constexpr,
     ):
         t = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         cols = tl.arange(0, HALF_PAD)
         ok = cols < half
+        pdl_wait(USE_PDL)
         src = qkv_ptr + t * stride_t + head * head_dim
         x1 = tl.load(src + cols, mask=ok, other=0.0)
         x2 = tl.load(src + half + cols, mask=ok, other=0.0)

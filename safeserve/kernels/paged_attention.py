@@ -19,7 +19,15 @@ from __future__ import annotations
 
 import torch
 
-from safeserve.kernels.common import HAS_TRITON, next_power_of_2, tl, triton, use_kernels
+from safeserve.kernels.common import (
+    HAS_TRITON,
+    next_power_of_2,
+    pdl_supported,
+    pdl_wait,
+    tl,
+    triton,
+    use_kernels,
+)
 
 # Tokens one program loads per iteration, and the programs a decode launch aims for (about four
 # per multiprocessor on an H100/H200), which sets how finely a short batch splits its contexts.
@@ -96,6 +104,7 @@ def store_kv(
     v = v if v.stride(2) == 1 else v.contiguous()
     width = num_kv_heads * head_dim
     block = min(1024, next_power_of_2(width))
+    pdl = pdl_supported(k.device)
     _store_kv_kernel[(num_tokens, triton.cdiv(width, block))](
         k,
         v,
@@ -111,6 +120,8 @@ def store_kv(
         k_cache.stride(0),
         k_cache.stride(1),
         BLOCK=block,
+        USE_PDL=pdl,
+        launch_pdl=pdl,
     )
 
 
@@ -155,6 +166,7 @@ def paged_decode(
     d_pad = next_power_of_2(head_dim)
     g_pad = max(16, next_power_of_2(group))
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    pdl = pdl_supported(q.device)
     common = dict(
         HEAD_DIM=head_dim,
         D_PAD=d_pad,
@@ -164,8 +176,10 @@ def paged_decode(
         PAGE=block_size,
         DOT_PRECISION=precision,
         WHILE_LOOP=not q.is_cuda,
+        USE_PDL=pdl,
         num_warps=4,
         num_stages=2,
+        launch_pdl=pdl,
     )
     if splits == 1:
         _decode_kernel[(batch, num_kv_heads, 1)](
@@ -227,7 +241,9 @@ def paged_decode(
         HEAD_DIM=head_dim,
         D_PAD=d_pad,
         S_BLOCK=min(64, next_power_of_2(splits)),
+        USE_PDL=pdl,
         num_warps=4,
+        launch_pdl=pdl,
     )
     return out
 
@@ -254,7 +270,9 @@ if HAS_TRITON:
         stride_cs,
         stride_ch,
         BLOCK: tl.constexpr,
+        USE_PDL: tl.constexpr,
     ):
+        pdl_wait(USE_PDL)
         t = tl.program_id(0)
         slot = tl.load(slot_ptr + t).to(tl.int64)
         if slot < 0:
@@ -340,7 +358,9 @@ if HAS_TRITON:
         DOT_PRECISION: tl.constexpr,
         SINGLE: tl.constexpr,
         WHILE_LOOP: tl.constexpr,
+        USE_PDL: tl.constexpr,
     ):
+        pdl_wait(USE_PDL)
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         s = tl.program_id(2)
@@ -440,7 +460,9 @@ if HAS_TRITON:
         HEAD_DIM: tl.constexpr,
         D_PAD: tl.constexpr,
         S_BLOCK: tl.constexpr,
+        USE_PDL: tl.constexpr,
     ):
+        pdl_wait(USE_PDL)
         b = tl.program_id(0)
         h = tl.program_id(1)
         ctx = tl.load(ctx_ptr + b)

@@ -10,6 +10,8 @@ import torch
 from safeserve.kernels.common import (
     HAS_TRITON,
     next_power_of_2,
+    pdl_supported,
+    pdl_wait,
     tl,
     triton,
     use_kernels,
@@ -85,7 +87,9 @@ if HAS_TRITON:
         BLOCK_T: tl.constexpr,
         RENORMALIZE: tl.constexpr,
         HAS_MAP: tl.constexpr,
+        USE_PDL: tl.constexpr,
     ):
+        pdl_wait(USE_PDL)
         rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         cols = tl.arange(0, E_PAD)
         row_ok = rows < num_tokens
@@ -127,6 +131,7 @@ if HAS_TRITON:
         RENORMALIZE: tl.constexpr,
         HAS_MAP: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
+        USE_PDL: tl.constexpr,
     ):
         """Router GEMM and top-k in one launch, logits = x @ gate.T.
 
@@ -149,17 +154,30 @@ if HAS_TRITON:
         e_ok = experts < num_experts
         offs_k = tl.arange(0, BLOCK_K)
         acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
-        k_hi = hidden if SPLIT_K == 1 else tl.minimum((kb + 1) * BLOCK_K, hidden)
-        for k0 in range(kb * BLOCK_K, k_hi, BLOCK_K):
-            k_ok = k0 + offs_k < hidden
-            a = tl.load(
-                x_ptr + rows[:, None].to(tl.int64) * stride_xt + (k0 + offs_k)[None, :],
-                mask=row_ok[:, None] & k_ok[None, :],
+        x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xt
+        g_cols = gate_ptr + experts[None, :].to(tl.int64) * stride_ge
+        if SPLIT_K == 1:
+            pdl_wait(USE_PDL)
+            for k0 in range(0, hidden, BLOCK_K):
+                k_ok = k0 + offs_k < hidden
+                a = tl.load(
+                    x_rows + (k0 + offs_k)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0
+                )
+                b = tl.load(
+                    g_cols + (k0 + offs_k)[:, None], mask=e_ok[None, :] & k_ok[:, None], other=0.0
+                )
+                acc = tl.dot(a, b.to(a.dtype), acc, input_precision=DOT_PRECISION)
+        else:  # one K tile per program; its gate tile (a weight) is read before the wait
+            k_ok = kb * BLOCK_K + offs_k < hidden
+            b = tl.load(
+                g_cols + (kb * BLOCK_K + offs_k)[:, None],
+                mask=e_ok[None, :] & k_ok[:, None],
                 other=0.0,
             )
-            b = tl.load(
-                gate_ptr + experts[None, :].to(tl.int64) * stride_ge + (k0 + offs_k)[:, None],
-                mask=e_ok[None, :] & k_ok[:, None],
+            pdl_wait(USE_PDL)
+            a = tl.load(
+                x_rows + (kb * BLOCK_K + offs_k)[None, :],
+                mask=row_ok[:, None] & k_ok[None, :],
                 other=0.0,
             )
             acc = tl.dot(a, b.to(a.dtype), acc, input_precision=DOT_PRECISION)
@@ -248,6 +266,7 @@ def fused_topk_softmax(
         return weights, ids
     e_pad = next_power_of_2(num_experts)
     block_t = max(1, min(16, 2048 // e_pad, next_power_of_2(num_tokens)))
+    pdl = pdl_supported(device)
     _topk_softmax_kernel[(triton.cdiv(num_tokens, block_t),)](
         logits,
         weights,
@@ -263,7 +282,9 @@ def fused_topk_softmax(
         RENORMALIZE=renormalize,
         HAS_MAP=expert_map is not None,
         # A decode step's few rows fit one warp: its reductions then need no shared memory.
+        USE_PDL=pdl,
         num_warps=1 if e_pad * block_t <= 256 else (4 if e_pad * block_t <= 2048 else 8),
+        launch_pdl=pdl,
     )
     return weights, ids
 
@@ -317,6 +338,7 @@ def router_topk(
         part = torch.empty(num_tokens, split_k, num_experts, dtype=torch.float32, device=device)
     else:
         sync = part = ids  # not read
+    pdl = pdl_supported(device)
     _router_topk_kernel[(num_blocks * split_e * split_k,)](
         x,
         gate,
@@ -343,6 +365,8 @@ def router_topk(
         RENORMALIZE=renormalize,
         HAS_MAP=expert_map is not None,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        USE_PDL=pdl,
         num_warps=num_warps,
+        launch_pdl=pdl,
     )
     return weights, ids, logits
