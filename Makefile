@@ -15,7 +15,7 @@ LINT_PATHS := $(wildcard safeserve tests kernels)
 # The interpreter run (TRITON_INTERPRET=1, its own pytest process: the variable changes what other
 # tests run). Its tests: test_interpreter_* and paged attention's decode/store kernel tests.
 # Without a GPU, Triton and a NumPy below 2.4 go into a folder of their own on that run's
-# PYTHONPATH only: Triton 3.6's interpreter fails on NumPy 2.4 (3.9's fails on these kernels), the
+# PYTHONPATH only: Triton 3.6's interpreter fails on NumPy 2.4 (the tests also pass under 3.9's), the
 # package pins neither, and the normal run keeps a CPU user's install (no Triton, newest NumPy).
 # Where a GPU is found nothing is installed: the CUDA build of torch pins its own Triton.
 TRITON_INTERP ?= triton==3.6.0 "numpy<2.4"

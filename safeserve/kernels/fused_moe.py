@@ -337,13 +337,18 @@ if HAS_TRITON:
                 + offs_nw[None, :] * stride_wn
                 + (k0 + offs_k)[:, None]
             )
+            # masks combined with the slot's scalar `ok` by tl.where, not `&` (Triton 3.9's
+            # interpreter rejects a tensor & scalar mask)
             if EVEN_K:
-                a = tl.load(a_ptrs, mask=row0[:, None] & ok, other=0.0)
-                b = tl.load(b_ptrs, mask=ok, other=0.0, eviction_policy=B_EVICT)
+                a = tl.load(a_ptrs, mask=tl.where(ok, row0[:, None], False), other=0.0)
+                b_ok = tl.where(ok, n_ok[None, :], False)  # constant along K: loads stay wide
+                b = tl.load(b_ptrs, mask=b_ok, other=0.0, eviction_policy=B_EVICT)
             else:
                 k_ok = (k0 + offs_k) < K
-                a = tl.load(a_ptrs, mask=row0[:, None] & k_ok[None, :] & ok, other=0.0)
-                b = tl.load(b_ptrs, mask=k_ok[:, None] & ok, other=0.0, eviction_policy=B_EVICT)
+                a_ok = tl.where(ok, row0[:, None] & k_ok[None, :], False)
+                a = tl.load(a_ptrs, mask=a_ok, other=0.0)
+                b_ok = tl.where(ok, k_ok[:, None] & n_ok[None, :], False)
+                b = tl.load(b_ptrs, mask=b_ok, other=0.0, eviction_policy=B_EVICT)
             acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         res = tl.sum(tl.where(row0[:, None], acc, 0.0), axis=0)
         o_ptrs = out_ptr + pid_t.to(tl.int64) * stride_ot + offs_n
@@ -384,7 +389,9 @@ if HAS_TRITON:
         for s in tl.static_range(TOP_K):
             pair = pid_t.to(tl.int64) * TOP_K + s
             ok = tl.load(ids_ptr + pair) >= 0
-            v = tl.load(y_ptr + pair * stride_ym + offs_n, mask=n_ok & ok, other=0.0)
+            v = tl.load(
+                y_ptr + pair * stride_ym + offs_n, mask=tl.where(ok, n_ok, False), other=0.0
+            )
             acc += v.to(tl.float32)
         tl.store(
             out_ptr + pid_t.to(tl.int64) * stride_ot + offs_n,

@@ -49,10 +49,12 @@ if HAS_TRITON:
     ):
         """Softmax of float32 logits x [BLOCK_T, E_PAD] (-inf past the experts), top k by
         repeated argmax (ties to the lower id), optional renormalisation, id map; stores."""
-        x_max = tl.max(x, axis=1)
+        # Rows past the batch are all -inf: give them zeros rather than NaN (they are not
+        # stored, but an argmax over an all-NaN row is an error in Triton's interpreter).
+        x_max = tl.where(row_ok, tl.max(x, axis=1), 0.0)
         p = tl.exp(x - x_max[:, None])
         p = tl.where(col_ok[None, :], p, 0.0)
-        p = p / tl.sum(p, axis=1)[:, None]
+        p = p / tl.where(row_ok, tl.sum(p, axis=1), 1.0)[:, None]
         p = tl.where(col_ok[None, :], p, -2.0)  # never picked before a real expert
         kcols = tl.arange(0, K_PAD)
         top_w = tl.zeros([BLOCK_T, K_PAD], dtype=tl.float32)
