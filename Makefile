@@ -23,6 +23,13 @@ INTERP_SITE := $(VENV)/triton-interpreter
 INTERP_TESTS ?= tests/kernels -m "not gpu" -k "interpreter or decode_kernel or store_kernel"
 # --min-passed: these tests skip where Triton is missing, and a run that only skipped must fail.
 INTERP_RUN = $(PY) -m pytest -q --min-passed=1 $(INTERP_TESTS)
+# Also without a GPU, beside the interpreter run: every Triton kernel compiled for sm_90 (H100/H200)
+# as the engine launches it, down to a cubin, nothing run (tests/kernels/sm90_compile.py); a kernel
+# the GPU compiler rejects, or a tile over an sm_90 program's shared memory, fails `make test`.
+SM90_LOG := $(VENV)/sm90-compile.log
+SM90_COMPILE = PYTHONPATH=$(abspath $(INTERP_SITE)) $(PY) tests/kernels/sm90_compile.py >$(SM90_LOG) 2>&1
+SM90_REPORT = if wait $$pid; then echo "sm_90 compile: $$(tail -1 $(SM90_LOG))"; \
+	  else cat $(SM90_LOG); echo "sm_90 compile failed (log: $(SM90_LOG))"; rc=1; fi
 ifeq ($(HAS_GPU),)
 INTERP_DEPS := $(VENV)/.installed-test $(VENV)/.triton-interpreter
 INTERP_RUN := TRITON_INTERPRET=1 PYTHONPATH=$(abspath $(INTERP_SITE)) $(INTERP_RUN)
@@ -31,7 +38,7 @@ INTERP_DEPS := $(VENV)/.installed-test
 INTERP_RUN := TRITON_INTERPRET=1 $(INTERP_RUN)
 endif
 
-.PHONY: serve test test-interpreter lint format clean install install-test
+.PHONY: serve test test-interpreter check-sm90 lint format clean install install-test
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -65,11 +72,14 @@ serve: $(VENV)/.installed
 test: $(INTERP_DEPS)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 ifeq ($(HAS_GPU),)
-	$(INTERP_RUN)
+	@$(SM90_COMPILE) & pid=$$!; $(INTERP_RUN); rc=$$?; $(SM90_REPORT); exit $$rc
 endif
 
 test-interpreter: $(INTERP_DEPS)
 	$(INTERP_RUN)
+
+check-sm90: $(VENV)/.installed-test $(VENV)/.triton-interpreter
+	@$(SM90_COMPILE) & pid=$$!; rc=0; $(SM90_REPORT); exit $$rc
 
 lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff format --check $(LINT_PATHS)

@@ -1,0 +1,169 @@
+"""Compile every Triton kernel, as the engine launches it, for an H100/H200 (sm_90) on a machine
+without a GPU: the CPU CI's check that the kernels build for the GPU.
+
+Triton's interpreter runs the kernels' logic on CPU but never compiles them, so an error that
+only the compiler sees (a type it cannot lower, a tile that does not fit shared memory) would
+otherwise surface only on a GPU machine. Here the real entry points run on CPU tensors with
+Triton's driver replaced by a compile-only target: every launch compiles through Triton's whole
+pipeline to a cubin (ptxas included), with the constexprs and tiles the launchers compute, and
+nothing runs. The fused MoE is compiled at every entry of the shipped H200 tile table.
+
+Run as a script (tests/kernels/test_sm90_compile.py does, in a process of its own, since it
+replaces process-wide Triton state); prints one JSON line per compiled kernel and exits 1 if
+any failed to compile or needs more shared memory than an sm_90 program has.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+# Shared memory one program may take on sm_90 (227 KiB).
+SM90_SHARED_BYTES = 232448
+
+
+def _install_compile_only_target() -> list[dict]:
+    """Triton's active driver becomes an sm_90 target that compiles and never launches."""
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
+    class CompileOnly:
+        def get_current_device(self) -> int:
+            return 0
+
+        def get_current_stream(self, device: int | None = None) -> int:
+            return 0
+
+        def get_current_target(self) -> GPUTarget:
+            return GPUTarget("cuda", 90, 32)
+
+        def get_active_torch_device(self) -> torch.device:
+            return torch.device("cpu")
+
+    driver.set_active(CompileOnly())
+    compiled: list[dict] = []
+    run = JITFunction.run
+
+    def compile_only(self, *args, grid, warmup, **kwargs):  # type: ignore[no-untyped-def]
+        kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
+        md = kernel.metadata
+        compiled.append(
+            {
+                "kernel": self.fn.__name__,
+                "shared": md.shared,
+                "num_warps": md.num_warps,
+                "num_stages": md.num_stages,
+                "has_cubin": "cubin" in kernel.asm,
+            }
+        )
+        return kernel
+
+    JITFunction.run = compile_only
+    return compiled
+
+
+def _kernel_paths_on() -> None:
+    """The entry points take the kernel path (and dependent launches, as on Hopper) for CPU
+    tensors."""
+    from safeserve.kernels import (
+        common,
+        fused_moe,
+        moe_align,
+        norm_rope,
+        paged_attention,
+        topk_softmax,
+    )
+
+    for mod in (common, fused_moe, moe_align, norm_rope, paged_attention, topk_softmax):
+        mod.use_kernels = lambda t: True
+        if hasattr(mod, "pdl_supported"):
+            mod.pdl_supported = lambda device=None: True
+
+
+def _launch_everything() -> None:
+    from safeserve.kernels import fused_moe as fm
+    from safeserve.kernels import moe_config as mc
+    from safeserve.kernels import norm_rope as nr
+    from safeserve.kernels import paged_attention as pa
+    from safeserve.kernels import topk_softmax as tk
+    from safeserve.kernels.moe_align import moe_align
+
+    e, h, inter, k, heads, kv_heads, d = 128, 2048, 768, 8, 32, 4, 128
+    bf16 = torch.bfloat16
+    for dtype in (bf16, torch.float32):
+        x = torch.empty(3, h, dtype=dtype)
+        nr.rms_norm(x, torch.empty(h, dtype=dtype), 1e-6)
+        nr.rms_norm(x, torch.empty(h, dtype=dtype), 1e-6, torch.empty(3, h, dtype=dtype))
+        qkv = torch.empty(3, (heads + 2 * kv_heads) * d, dtype=dtype)
+        caches = [torch.empty(64, kv_heads, d, dtype=dtype) for _ in range(2)]
+        slots = torch.zeros(3, dtype=torch.int64)
+        nr.qk_norm_rope_store(
+            qkv,
+            torch.empty(d, dtype=dtype),
+            torch.empty(d, dtype=dtype),
+            torch.empty(3, d, dtype=dtype),
+            torch.empty(3, d, dtype=dtype),
+            1e-6,
+            heads,
+            kv_heads,
+            *caches,
+            slots,
+        )
+        kv = torch.empty(3, kv_heads, d, dtype=dtype)
+        pa.store_kv(kv, kv, *caches, slots)
+        for batch, width in ((1, 4), (64, 256)):  # one split, and a split context + merge
+            q = torch.empty(batch, heads, d, dtype=dtype)
+            tables = torch.zeros(batch, width, dtype=torch.int32)
+            ctx = torch.ones(batch, dtype=torch.int32)
+            pa.paged_decode(q, *caches, tables, ctx, 16, d**-0.5)
+        for tokens in (1, 16, 64):
+            logits = torch.empty(tokens, e, dtype=dtype)
+            tk.fused_topk_softmax(logits, k, True, dtype, torch.zeros(e, dtype=torch.int64))
+            tk.router_topk(
+                torch.empty(tokens, h, dtype=dtype), torch.empty(e, h, dtype=dtype), k, True
+            )
+    for pairs in (64, 5000):  # one program; count + scatter
+        moe_align(torch.zeros(pairs, 1, dtype=torch.int32), e, 64)
+    # The fused MoE at every entry of the shipped H200 table, with its own token count.
+    table = mc.load_config_table(
+        str(mc.CONFIG_DIR / mc.config_file_name(e, h, inter, "NVIDIA H200"))
+    )
+    assert table, "no shipped H200 table"
+    w13 = torch.empty(e, 2 * inter, h, dtype=bf16)
+    w2 = torch.empty(e, h, inter, dtype=bf16)
+    for tokens, cfg in sorted(table.items()):
+        ids = torch.zeros(tokens, k, dtype=torch.int32)
+        weights = torch.empty(tokens, k, dtype=torch.float32)
+        fm.fused_moe(torch.empty(tokens, h, dtype=bf16), w13, w2, weights, ids, config=cfg)
+    # float32 (the engine's correctness runs on CUDA): the heuristic configs, tiles shrunk to fit
+    w13f, w2f = w13[:16, :, :256].float(), w2[:16, :256, :].float()
+    for tokens in (1, 64):
+        ids = torch.zeros(tokens, 4, dtype=torch.int32)
+        x = torch.empty(tokens, 256)
+        fm.fused_moe(x, w13f.contiguous(), w2f.contiguous(), torch.empty(tokens, 4), ids)
+
+
+def main() -> int:
+    compiled = _install_compile_only_target()
+    _kernel_paths_on()
+    try:
+        _launch_everything()
+    except Exception:  # noqa: BLE001 - report the compiler's message and fail
+        traceback.print_exc()
+        print(json.dumps({"error": "compile failed", "compiled_before": len(compiled)}))
+        return 1
+    bad = [c for c in compiled if c["shared"] > SM90_SHARED_BYTES or not c["has_cubin"]]
+    for c in compiled:
+        print(json.dumps(c))
+    print(json.dumps({"compiled": len(compiled), "over_shared_memory_or_no_cubin": bad}))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    sys.exit(main())
