@@ -5,11 +5,13 @@ token at position `p` of a request lives in slot `block_table[p // block_size] *
 p % block_size`. Each step writes the new tokens' keys/values into their slots, then every
 sequence attends over slots `0 .. context_len-1` read back through its block table.
 
-Two paths: on CUDA the sequences that decode one token run the Triton decode kernel straight over
-the block tables (`safeserve.kernels.paged_attention`, no per-sequence loop, CUDA graph safe):
-all of a pure decode step, and the decoding rows of a mixed step (one launch for them, however
-many); prefill chunks (and everything on CPU) run the torch path below, one SDPA call per
-sequence, which is also the kernel's test oracle. The model stores this step's
+Two paths. On CUDA everything runs Triton kernels straight over the block tables, with no
+per-sequence loop: the sequences that decode one token run the decode kernel
+(`safeserve.kernels.paged_attention`, CUDA graph safe: all of a pure decode step, and the
+decoding rows of a mixed step in one launch); the prefill chunks of a step run the prefill kernel
+(`safeserve.kernels.paged_prefill`, one launch for all of them). On CPU (and with
+`use_kernels=False`) the torch path below runs one SDPA call per sequence; it is also the
+kernels' test oracle. The model stores this step's
 keys/values itself (fused with q/k norm and RoPE: `safeserve.kernels.norm_rope`) and calls
 `attend`; `paged_attention` is store-then-attend for callers holding k and v.
 """
@@ -22,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from safeserve.kernels import paged_attention as pa
+from safeserve.kernels import paged_prefill as pp
 
 
 @dataclass
@@ -32,6 +35,16 @@ class SeqAttention:
     query_len: int  # tokens computed this step
     context_len: int  # tokens in the cache after this step (computed before + query_len)
     kv_slots: torch.Tensor  # [context_len] int64 cache slots, in position order
+
+
+@dataclass
+class PrefillBatch:
+    """The prefill kernel's view of a step's chunks (CUDA): [S, W] int32 block tables, [S, 3]
+    int32 (context length, first query row, query length), and the longest chunk."""
+
+    block_tables: torch.Tensor
+    info: torch.Tensor
+    max_q_len: int
 
 
 @dataclass
@@ -46,6 +59,8 @@ class AttentionMetadata:
     # Mixed step (CUDA): the rows that decode one token, and their decode-kernel metadata.
     decode_rows: torch.Tensor | None = None
     decode: AttentionMetadata | None = None
+    # Prefill kernel (CUDA): every chunk of more than one token; block_size as above.
+    prefill: PrefillBatch | None = None
 
     @property
     def is_decode_kernel(self) -> bool:
@@ -61,14 +76,19 @@ class AttentionMetadata:
         use_kernels: bool = True,
     ) -> AttentionMetadata:
         """`use_kernels=False` forces the torch path (the kernels' oracle in tests)."""
-        kernels = use_kernels and _decode_kernel_applies(query_lens, device)
+        kernels = use_kernels and _kernels_apply(device)
         if kernels and all(n == 1 for n in query_lens):
             return AttentionMetadata.build_decode(context_lens, block_tables, block_size, device)
         seqs: list[SeqAttention] = []
-        slot_chunks: list[torch.Tensor | list[int]] = []  # device slots, or host slots of decodes
+        # host slots (decodes: ints; kernel prefill: CPU tensors), or device slots (torch path)
+        slot_chunks: list[torch.Tensor | list[int]] = []
         dec_rows: list[int] = []
         dec_ctx: list[int] = []
         dec_tables: list[list[int]] = []
+        pre_tables: list[list[int]] = []
+        pre_ctx: list[int] = []
+        pre_starts: list[int] = []
+        pre_lens: list[int] = []
         start = 0
         for q_len, ctx, table in zip(query_lens, context_lens, block_tables, strict=True):
             if kernels and q_len == 1:
@@ -85,21 +105,39 @@ class AttentionMetadata:
             n_blocks = (ctx + block_size - 1) // block_size
             blocks = torch.tensor(table[:n_blocks], dtype=torch.int64)
             slots = (blocks[:, None] * block_size + torch.arange(block_size)[None, :]).reshape(-1)
+            if kernels:  # the prefill kernel reads the block table; only the new slots go up
+                pre_tables.append(table[:n_blocks])
+                pre_ctx.append(ctx)
+                pre_starts.append(start)
+                pre_lens.append(q_len)
+                slot_chunks.append(slots[ctx - q_len : ctx])
+                start += q_len
+                continue
             slots = slots[:ctx].to(device)
             seqs.append(SeqAttention(start, q_len, ctx, slots))
             slot_chunks.append(slots[ctx - q_len :])
             start += q_len
         chunks = [
-            torch.tensor(c, dtype=torch.int64).to(device) if isinstance(c, list) else c
-            for c in slot_chunks
+            torch.tensor(c, dtype=torch.int64) if isinstance(c, list) else c for c in slot_chunks
         ]
-        slot_mapping = (
-            torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.int64, device=device)
-        )
-        meta = AttentionMetadata(slot_mapping, seqs)
+        if chunks and all(c.device.type == "cpu" for c in chunks):
+            slot_mapping = torch.cat(chunks).to(device)  # one upload
+        elif chunks:
+            slot_mapping = torch.cat([c.to(device) for c in chunks])
+        else:
+            slot_mapping = torch.empty(0, dtype=torch.int64, device=device)
+        meta = AttentionMetadata(slot_mapping, seqs, block_size=block_size)
         if dec_rows:
             meta.decode_rows = torch.tensor(dec_rows, dtype=torch.int64).to(device)
             meta.decode = AttentionMetadata.build_decode(dec_ctx, dec_tables, block_size, device)
+        if pre_tables:
+            width = max(len(t) for t in pre_tables)
+            rows = [t + [0] * (width - len(t)) for t in pre_tables]
+            meta.prefill = PrefillBatch(
+                block_tables=torch.tensor(rows, dtype=torch.int32).to(device),
+                info=pp.prefill_info(pre_starts, pre_lens, pre_ctx).to(device),
+                max_q_len=max(pre_lens),
+            )
         return meta
 
     @staticmethod
@@ -130,9 +168,9 @@ class AttentionMetadata:
         )
 
 
-def _decode_kernel_applies(query_lens: list[int], device: torch.device | str) -> bool:
-    """Some sequence decodes one token, on CUDA with Triton."""
-    return pa.HAS_TRITON and torch.device(device).type == "cuda" and 1 in query_lens
+def _kernels_apply(device: torch.device | str) -> bool:
+    """The attention kernels run: CUDA, with Triton."""
+    return pa.HAS_TRITON and torch.device(device).type == "cuda"
 
 
 def paged_attention(
@@ -169,6 +207,11 @@ def attend(
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[1]
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)
+    if meta.prefill is not None:
+        p = meta.prefill
+        pp.paged_prefill(
+            q, k_cache, v_cache, p.block_tables, p.info, p.max_q_len, meta.block_size, scale, out
+        )
     if meta.decode is not None and meta.decode_rows is not None:
         d = meta.decode
         assert d.block_tables is not None and d.context_lens is not None

@@ -297,6 +297,7 @@ if HAS_TRITON:
         kvh,
         start,
         hi,
+        pos_q,
         m_i,
         l_i,
         acc,
@@ -309,8 +310,13 @@ if HAS_TRITON:
         BLOCK_N: tl.constexpr,
         PAGE: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
+        CAUSAL: tl.constexpr,
     ):
-        """One tile of BLOCK_N context tokens, gathered through the block table: online softmax."""
+        """One tile of BLOCK_N context tokens, gathered through the block table: online softmax.
+
+        With CAUSAL (prefill, `safeserve.kernels.paged_prefill`) row r sees positions up to
+        pos_q[r] only; position 0 is visible to every row, so no row's max stays -inf. Without
+        it (decode) pos_q is not read."""
         d = tl.arange(0, D_PAD)
         pos = start + tl.arange(0, BLOCK_N)
         ok = pos < hi
@@ -321,7 +327,10 @@ if HAS_TRITON:
         k = tl.load(kc_ptr + kv_off, mask=kv_mask, other=0.0)
         v = tl.load(vc_ptr + kv_off, mask=kv_mask, other=0.0)
         qk = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        qk = tl.where(ok[None, :], qk, float("-inf"))
+        if CAUSAL:
+            qk = tl.where(ok[None, :] & (pos[None, :] <= pos_q[:, None]), qk, float("-inf"))
+        else:
+            qk = tl.where(ok[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
@@ -399,30 +408,6 @@ if HAS_TRITON:
                     kvh,
                     start,
                     hi,
-                    m_i,
-                    l_i,
-                    acc,
-                    qk_scale,
-                    stride_cs,
-                    stride_ch,
-                    stride_bt,
-                    D_PAD,
-                    HEAD_DIM,
-                    BLOCK_N,
-                    PAGE,
-                    DOT_PRECISION,
-                )
-                start += BLOCK_N
-        else:
-            for start in range(lo, hi, BLOCK_N):
-                m_i, l_i, acc = _decode_tile(
-                    q,
-                    kc_ptr,
-                    vc_ptr,
-                    bt_ptr,
-                    b,
-                    kvh,
-                    start,
                     hi,
                     m_i,
                     l_i,
@@ -436,6 +421,34 @@ if HAS_TRITON:
                     BLOCK_N,
                     PAGE,
                     DOT_PRECISION,
+                    False,
+                )
+                start += BLOCK_N
+        else:
+            for start in range(lo, hi, BLOCK_N):
+                m_i, l_i, acc = _decode_tile(
+                    q,
+                    kc_ptr,
+                    vc_ptr,
+                    bt_ptr,
+                    b,
+                    kvh,
+                    start,
+                    hi,
+                    hi,
+                    m_i,
+                    l_i,
+                    acc,
+                    qk_scale,
+                    stride_cs,
+                    stride_ch,
+                    stride_bt,
+                    D_PAD,
+                    HEAD_DIM,
+                    BLOCK_N,
+                    PAGE,
+                    DOT_PRECISION,
+                    False,
                 )
         if SINGLE:
             o = acc / l_i[:, None]

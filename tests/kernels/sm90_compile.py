@@ -76,10 +76,19 @@ def _kernel_paths_on() -> None:
         moe_align,
         norm_rope,
         paged_attention,
+        paged_prefill,
         topk_softmax,
     )
 
-    for mod in (common, fused_moe, moe_align, norm_rope, paged_attention, topk_softmax):
+    for mod in (
+        common,
+        fused_moe,
+        moe_align,
+        norm_rope,
+        paged_attention,
+        paged_prefill,
+        topk_softmax,
+    ):
         mod.use_kernels = lambda t: True
         if hasattr(mod, "pdl_supported"):
             mod.pdl_supported = lambda device=None: True
@@ -90,6 +99,7 @@ def _launch_everything() -> None:
     from safeserve.kernels import moe_config as mc
     from safeserve.kernels import norm_rope as nr
     from safeserve.kernels import paged_attention as pa
+    from safeserve.kernels import paged_prefill as pp
     from safeserve.kernels import topk_softmax as tk
     from safeserve.kernels.moe_align import moe_align
 
@@ -116,6 +126,9 @@ def _launch_everything() -> None:
         )
         kv = torch.empty(3, kv_heads, d, dtype=dtype)
         pa.store_kv(kv, kv, *caches, slots)
+        out = torch.empty(40, heads, d, dtype=dtype)
+        info = torch.tensor([[40, 0, 33], [7, 33, 7]], dtype=torch.int32)
+        pp.paged_prefill(out, *caches, torch.zeros(2, 4, dtype=torch.int32), info, 33, 16, 0.1, out)
         for batch, width in ((1, 4), (64, 256)):  # one split, and a split context + merge
             q = torch.empty(batch, heads, d, dtype=dtype)
             tables = torch.zeros(batch, width, dtype=torch.int32)

@@ -203,7 +203,8 @@ def test_mixed_step_decodes_through_the_kernel_and_matches_the_torch_path(
     ref_meta = AttentionMetadata.build(
         query_lens, context_lens, tables, block_size, "cuda", use_kernels=False
     )
-    assert mixed.decode is not None and len(mixed.seqs) == 3 and ref_meta.decode is None
+    assert mixed.decode is not None and ref_meta.decode is None
+    assert mixed.prefill is not None and mixed.prefill.info.shape[0] == 3 and not mixed.seqs
     torch.testing.assert_close(mixed.slot_mapping, ref_meta.slot_mapping)
     out = attend(q, (kc, vc), mixed, scale)
     ref = attend(q, (kc, vc), ref_meta, scale)
