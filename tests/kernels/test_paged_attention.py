@@ -15,9 +15,17 @@ from safeserve.kernels import paged_attention as pa
 HAS_CUDA = torch.cuda.is_available() and pa.HAS_TRITON
 INTERPRET = pa.HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1"
 
-needs_kernel = pytest.mark.skipif(
+_kernel_runs = pytest.mark.skipif(
     not (HAS_CUDA or INTERPRET), reason="needs a CUDA device (or TRITON_INTERPRET=1)"
 )
+
+
+def needs_kernel(test):  # type: ignore[no-untyped-def]
+    """Runs the kernel on a GPU, or under Triton's interpreter on CPU; marked `kernel` so that
+    GPU runs filtered by marker (-m "gpu or kernel") take it too."""
+    return pytest.mark.kernel(_kernel_runs(test))
+
+
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 
 

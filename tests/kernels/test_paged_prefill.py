@@ -16,10 +16,16 @@ from safeserve.kernels.common import HAS_TRITON
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
-needs_kernel = pytest.mark.skipif(
+_kernel_runs = pytest.mark.skipif(
     not HAS_TRITON or not (HAS_CUDA or INTERPRET),
     reason="needs Triton on a GPU or under its interpreter (TRITON_INTERPRET=1)",
 )
+
+
+def needs_kernel(test):  # type: ignore[no-untyped-def]
+    """Runs the kernel on a GPU, or under Triton's interpreter on CPU; marked `kernel` so that
+    GPU runs filtered by marker (-m "gpu or kernel") take it too."""
+    return pytest.mark.kernel(_kernel_runs(test))
 
 
 def _problem(q_lens, ctxs, hq, hkv, d, bs, dtype, device, seed):  # type: ignore[no-untyped-def]
