@@ -53,15 +53,11 @@ def _pdl_device(index: int) -> bool:
     return major >= 9 and hasattr(tl.extra.cuda, "gdc_wait")
 
 
-def pdl_supported(device: torch.device | None = None) -> bool:
-    """Programmatic dependent launch is on and `device` (default: the current CUDA device) has
-    it: Hopper or newer, Triton with ``gdc_wait``, not under the interpreter."""
+def pdl_supported(device: torch.device) -> bool:
+    """Programmatic dependent launch is on and `device` has it: a CUDA device of Hopper or
+    newer, Triton with ``gdc_wait``, not under the interpreter."""
     if not (_PDL_ENABLED and HAS_TRITON) or os.environ.get("TRITON_INTERPRET") == "1":
         return False
-    if device is None:
-        if not torch.cuda.is_available():
-            return False
-        device = torch.device("cuda", torch.cuda.current_device())
     if device.type != "cuda":
         return False
     return _pdl_device(device.index if device.index is not None else torch.cuda.current_device())

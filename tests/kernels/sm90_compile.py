@@ -68,30 +68,19 @@ def _install_compile_only_target() -> list[dict]:
 
 
 def _kernel_paths_on() -> None:
-    """The entry points take the kernel path (and dependent launches, as on Hopper) for CPU
-    tensors."""
-    from safeserve.kernels import (
-        common,
-        fused_moe,
-        moe_align,
-        norm_rope,
-        paged_attention,
-        paged_prefill,
-        topk_softmax,
-    )
+    """The entry points of every module of `safeserve.kernels` take the kernel path (and
+    dependent launches, as on Hopper) for CPU tensors."""
+    import importlib
+    import pkgutil
 
-    for mod in (
-        common,
-        fused_moe,
-        moe_align,
-        norm_rope,
-        paged_attention,
-        paged_prefill,
-        topk_softmax,
-    ):
-        mod.use_kernels = lambda t: True
+    import safeserve.kernels as kernels
+
+    for info in pkgutil.iter_modules(kernels.__path__):
+        mod = importlib.import_module(f"{kernels.__name__}.{info.name}")
+        if hasattr(mod, "use_kernels"):
+            mod.use_kernels = lambda t: True
         if hasattr(mod, "pdl_supported"):
-            mod.pdl_supported = lambda device=None: True
+            mod.pdl_supported = lambda device: True
 
 
 def _launch_everything() -> None:
