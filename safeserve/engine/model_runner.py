@@ -93,6 +93,7 @@ class ModelRunner:
         )
         self.buffers = self._setup_admission()
         self.faults = Faults()
+        self.serving = False  # set by begin_serving()
         self.startup_peak_bytes: int | None = None  # set by begin_serving()
         self.last_own_step_s = 0.0  # this rank's step time outside collectives
         self.cuda_graphs: DecodeCudaGraphs | None = None
@@ -162,11 +163,17 @@ class ModelRunner:
         return info
 
     def begin_serving(self) -> None:
-        """Called when the group first idles after start-up: from now on `memory_peak_bytes`
-        is the peak while serving (start-up's profiling and capture peak is kept apart)."""
-        if self.startup_peak_bytes is None and self.device.type == "cuda":
+        """Called when the group idles (the first time: start-up is over). From then on
+        `memory_peak_bytes` is the peak while serving (start-up's profiling and capture peak is
+        kept apart), and the balancedness windows hold served passes only (not the warm-up's)."""
+        if self.serving:
+            return
+        self.serving = True
+        if self.device.type == "cuda":
             self.startup_peak_bytes = torch.cuda.max_memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
+        if self.dispatcher is not None:
+            self.dispatcher.balance.clear()
 
     def stats(self) -> dict:
         """What this rank's heartbeats carry besides (step, phase)."""

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from safeserve.config import ServerArgs
 from safeserve.model.loader import load_model_config
 from safeserve.model.tokenizer import Tokenizer, TokenizerError, load_tokenizer
+from safeserve.moe.eplb.balancedness import WINDOWS as BALANCE_WINDOWS
 from safeserve.moe.eplb.balancedness import group_balancedness
 from safeserve.server import protocol as P
 from safeserve.server.errors import APIError, bad_request, require_bearer, unavailable
@@ -364,8 +365,13 @@ def _refresh_gauges(state: ServerState) -> None:
                 if key in r.stats:
                     gauge.labels(label, rank).set(r.stats[key])
         ranks = [st.stats for _, st in sorted(g.ranks.items())]
-        for window, value in group_balancedness(ranks).items():
-            m.eplb_balancedness.labels(label, str(window)).set(value)
+        balance = group_balancedness(ranks)
+        for window in BALANCE_WINDOWS:
+            if window in balance:
+                m.eplb_balancedness.labels(label, str(window)).set(balance[window])
+            else:  # none yet (a restarted group before its first pass): no stale series
+                with contextlib.suppress(KeyError):
+                    m.eplb_balancedness.remove(label, str(window))
     m.in_flight.set(len(state.generator.active) if state.generator else 0)
 
 

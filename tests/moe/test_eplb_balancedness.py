@@ -51,6 +51,17 @@ def test_recorder_averages_layers_then_windows_of_passes() -> None:
     assert rec.passes == 1000 and rec.window_means()[1000] == pytest.approx(1.0)
 
 
+def test_clear_forgets_every_pass() -> None:
+    rec = BalancednessRecorder()
+    rec.record_layer([4, 0])
+    rec.end_pass()
+    rec.record_layer([1, 0])  # a pass left open is dropped too
+    rec.clear()
+    assert rec.passes == 0 and rec.window_means() == {} and rec.end_pass() is None
+    rec.record_layer([2, 2])
+    assert rec.end_pass() == pytest.approx(1.0)
+
+
 def test_group_balancedness_takes_the_first_rank_that_has_it() -> None:
     stats = [{"device": "cpu"}, {"eplb_balancedness_10": 0.5, "eplb_balancedness_100": 0.7}]
     assert group_balancedness(stats) == {10: 0.5, 100: 0.7}
@@ -97,6 +108,16 @@ def test_skewed_routing_shows_in_balancedness(
     s = server_factory(
         ["--model", str(checkpoint), *layout_args(layout), "--enable-fault-injection"]
     )
+    # The start-up warm-up ran MoE passes, but they are not traffic: once both ranks report
+    # idle (a beat taken after the group began serving), no value until a request.
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline:
+        ranks = httpx.get(s.admin_url + "/admin/groups").json()["groups"][0]["ranks"]
+        if all(r["phase"] == "idle" for r in ranks):
+            break
+        time.sleep(0.2)
+    assert [r["phase"] for r in ranks] == ["idle", "idle"]
+    assert _balancedness(s) == {}
     prompts = [f"Request {i}: experts share the work of a batch of tokens." for i in range(4)]
     _generate(s, str(checkpoint), prompts)
     even = _balancedness(s)

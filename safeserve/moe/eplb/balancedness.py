@@ -42,6 +42,11 @@ class BalancednessRecorder:
         self._passes.append(value)
         return value
 
+    def clear(self) -> None:
+        """Forgets every pass (start-up's warm-up passes are not traffic)."""
+        self._layers = []
+        self._passes.clear()
+
     @property
     def passes(self) -> int:
         return len(self._passes)
