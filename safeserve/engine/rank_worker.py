@@ -161,7 +161,7 @@ def _lead(args, group, runner, out, ctx, addrs, hb, parent) -> None:  # type: ig
     inp.connect(addrs.requests)
     try:
         engine = Engine(args, runner, on_phase=hb.beat)
-        _warm_up(engine)
+        engine.warm_up()
     except Exception as e:
         _fatal(out, group, 0, "start-up failed", e)
     ready = GroupReady(
@@ -226,12 +226,3 @@ def _handle(engine, msg: object) -> list[RequestOutput]:  # type: ignore[no-unty
         return []
     logger.warning("unknown message %r", type(msg).__name__)
     return []
-
-
-def _warm_up(engine) -> None:  # type: ignore[no-untyped-def]
-    """One short request through every stage, so the first client does not pay for it."""
-    from safeserve.messages import SamplingParams
-
-    engine.add_request("__warmup__", [0, 1, 2], SamplingParams(max_tokens=2, temperature=0))
-    while engine.has_work():
-        engine.step()

@@ -33,6 +33,11 @@ from safeserve.kernels.common import (
 # per multiprocessor on an H100/H200), which sets how finely a short batch splits its contexts.
 _BLOCK_N = 64
 _TARGET_PROGRAMS = 512
+# Splits the merge kernel reads per pass (a loop takes more). Fixed, as one split or many is a
+# runtime branch of the decode kernel (num_splits is not specialized): eager decode steps of any
+# batch and context, and every graph bucket, use one compiled variant of each kernel, so a step
+# of a new shape never stops to compile one.
+_MERGE_BLOCK = 64
 
 
 # ---------------------------------------------------------------------------------------------
@@ -201,7 +206,6 @@ def paged_decode(
             out.stride(0),
             out.stride(1),
             1,
-            SINGLE=True,
             **common,
         )
         return out
@@ -226,7 +230,6 @@ def paged_decode(
         out.stride(0),
         out.stride(1),
         splits,
-        SINGLE=False,
         **common,
     )
     _merge_kernel[(batch, num_heads)](
@@ -240,7 +243,7 @@ def paged_decode(
         out.stride(1),
         HEAD_DIM=head_dim,
         D_PAD=d_pad,
-        S_BLOCK=min(64, next_power_of_2(splits)),
+        S_BLOCK=_MERGE_BLOCK,
         USE_PDL=pdl,
         num_warps=4,
         launch_pdl=pdl,
@@ -338,7 +341,10 @@ if HAS_TRITON:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         return m_new, l_i, acc
 
-    @triton.jit(do_not_specialize=["scale", "split_len", "num_splits"])
+    # Values that change from step to step are not specialized (Triton would compile a variant
+    # per divisibility by 16, or for 1), so a step of a new shape never waits for a compile:
+    # the block tables' width (stride_bt) follows the step's longest context.
+    @triton.jit(do_not_specialize=["scale", "split_len", "stride_bt", "num_splits"])
     def _decode_kernel(
         q_ptr,
         kc_ptr,
@@ -365,7 +371,6 @@ if HAS_TRITON:
         BLOCK_N: tl.constexpr,
         PAGE: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
-        SINGLE: tl.constexpr,
         WHILE_LOOP: tl.constexpr,
         USE_PDL: tl.constexpr,
     ):
@@ -382,7 +387,7 @@ if HAS_TRITON:
         d_ok = d < HEAD_DIM
         heads = kvh * GROUP + g
         if lo >= hi:
-            if SINGLE:  # context 0: zeros, so padding rows of a graph batch stay finite
+            if num_splits == 1:  # context 0: zeros, so padding rows of a graph batch stay finite
                 o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
                 zero = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
                 tl.store(o_ptrs, zero.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok)
@@ -450,7 +455,7 @@ if HAS_TRITON:
                     DOT_PRECISION,
                     False,
                 )
-        if SINGLE:
+        if num_splits == 1:  # one split: the result itself, no merge
             o = acc / l_i[:, None]
             o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
             tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])

@@ -128,7 +128,10 @@ def paged_prefill(
 if HAS_TRITON:
     from safeserve.kernels.paged_attention import _decode_tile
 
-    @triton.jit(do_not_specialize=["scale", "tiles"])
+    # Values that change from step to step are not specialized (Triton would compile a variant
+    # per divisibility by 16, or for 1), so a step of a new shape never waits for a compile:
+    # the block tables' width (stride_bt) follows the step's longest context.
+    @triton.jit(do_not_specialize=["scale", "stride_bt", "tiles"])
     def _prefill_kernel(
         q_ptr,
         kc_ptr,

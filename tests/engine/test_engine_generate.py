@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from safeserve.config import ServerArgs
-from safeserve.engine.engine import Engine
+from safeserve.engine.engine import Engine, warm_up_sizes
 from safeserve.messages import SamplingParams
 
 
@@ -114,3 +114,25 @@ def test_abort_frees_blocks_and_bad_requests_are_refused(checkpoint: Path) -> No
         engine.add_request("b", [1] * 60, SamplingParams(max_tokens=10))
     with pytest.raises(ValueError):
         engine.add_request("c", [10**6], SamplingParams(max_tokens=1))
+
+
+def test_warm_up_sizes_cover_every_doubling_and_the_largest_step() -> None:
+    assert warm_up_sizes(2048, compiles=True) == [
+        1, 2, 4, 8, 16, 17, 32, 33, 64, 65, 128, 129, 256, 257, 512, 513, 1024, 1025, 2048
+    ]  # fmt: skip
+    assert warm_up_sizes(100, compiles=True) == [1, 2, 4, 8, 16, 17, 32, 33, 64, 65, 100]
+    assert warm_up_sizes(17, compiles=True) == [1, 2, 4, 8, 16, 17]
+    assert warm_up_sizes(2048, compiles=False) == [3]  # CPU: nothing to compile
+    assert warm_up_sizes(2, compiles=True) == [1, 2]
+    assert warm_up_sizes(2, compiles=False) == [2]
+    assert warm_up_sizes(0, compiles=True) == warm_up_sizes(0, compiles=False) == []
+
+
+def test_warm_up_leaves_nothing_behind(checkpoint: Path, hf) -> None:
+    engine = Engine(ServerArgs(model=str(checkpoint), max_model_len=64, block_size=4))
+    engine.warm_up()
+    assert engine.step_id == 2  # CPU: one 3-token prefill, then one decode step
+    assert not engine.has_work() and engine.scheduler.num_blocks_used == 0
+    prompt = [5, 9, 200, 3, 77]
+    engine.add_request("a", prompt, SamplingParams(max_tokens=12, temperature=0.0))
+    assert _drain(engine)["a"] == _reference(hf, prompt, 12, engine.eos_token_ids)

@@ -143,3 +143,62 @@ def test_dependent_launches_match_ordinary_launches_bfloat16(graphs: bool) -> No
     for a, b in zip(dependent, plain, strict=True):
         assert not a.isnan().any()
         assert torch.equal(a, b)
+
+
+def _triton_variants() -> dict[str, set]:
+    """Kernel variants Triton holds in this process (compiled, or loaded from its disk cache),
+    per kernel of safeserve.kernels: the keys of its in-memory cache."""
+    import importlib
+    import pkgutil
+
+    from triton.runtime.jit import JITFunction
+
+    import safeserve.kernels
+
+    out: dict[str, set] = {}
+    for info in pkgutil.iter_modules(safeserve.kernels.__path__):
+        module = importlib.import_module(f"safeserve.kernels.{info.name}")
+        for name, obj in vars(module).items():
+            if isinstance(obj, JITFunction):
+                keys = {str(k) for caches in obj.device_caches.values() for k in caches[0]}
+                out[f"{info.name}.{name}"] = keys
+    return out
+
+
+def test_warm_up_builds_every_kernel_variant_later_requests_use() -> None:
+    from safeserve.engine.engine import Engine, warm_up_sizes
+
+    args = ServerArgs(
+        device="cuda",
+        dtype="bfloat16",
+        max_model_len=1024,
+        max_num_batched_tokens=512,
+        max_running_requests=8,
+        cuda_graph_max_bs=8,
+        num_kv_blocks=1024,
+        block_size=4,
+    )
+    engine = Engine(args)
+    engine.warm_up()
+    assert engine.step_id == 2 * len(warm_up_sizes(512, compiles=True))  # prefill + decode each
+    assert not engine.has_work() and engine.scheduler.num_blocks_used == 0
+    built = _triton_variants()
+    assert sum(map(len, built.values())) > 0
+    # Lengths the warm-up did not use, together: mixed prefill + decode steps of many sizes,
+    # and a prompt longer than one step (chunked).
+    gen = torch.Generator().manual_seed(3)
+    for i, n in enumerate((5, 47, 100, 300, 511, 700)):
+        prompt = torch.randint(0, 256, (n,), generator=gen).tolist()
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=6, temperature=0.0))
+    steps = engine.step_id
+    while engine.has_work():
+        engine.step()
+    assert engine.step_id - steps >= 8
+    after = _triton_variants()
+    new = {name: keys - built.get(name, set()) for name, keys in after.items()}
+    report = [
+        f"{name}: new {sorted(keys)}; built at warm-up {sorted(built.get(name, set()))}"
+        for name, keys in new.items()
+        if keys
+    ]
+    assert not report, "\n".join(report)  # none built while serving
