@@ -11,6 +11,8 @@ import logging
 import time
 from collections.abc import Callable
 
+import torch
+
 from safeserve.config import ServerArgs
 from safeserve.engine.kv_cache import BlockAllocator
 from safeserve.engine.model_runner import ModelRunner
@@ -134,6 +136,12 @@ class Engine:
             try:
                 while self.has_work():
                     self.step()
+            except torch.cuda.OutOfMemoryError as e:
+                raise RuntimeError(
+                    f"start-up warm-up: a {n}-token prefill does not fit in device memory; lower "
+                    f"--mem-fraction-static (leaves more for activations) or "
+                    f"--max-num-batched-tokens ({e})"
+                ) from e
             except Exception as e:
                 raise RuntimeError(f"start-up warm-up failed at a {n}-token prefill: {e}") from e
             if len(sizes) > 1:

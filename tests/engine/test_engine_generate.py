@@ -136,3 +136,20 @@ def test_warm_up_leaves_nothing_behind(checkpoint: Path, hf) -> None:
     prompt = [5, 9, 200, 3, 77]
     engine.add_request("a", prompt, SamplingParams(max_tokens=12, temperature=0.0))
     assert _drain(engine)["a"] == _reference(hf, prompt, 12, engine.eos_token_ids)
+
+
+def test_warm_up_that_runs_out_of_memory_names_the_size_and_the_flags(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = Engine(ServerArgs(model=str(checkpoint), max_model_len=64))
+
+    def out_of_memory() -> None:
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(engine, "step", out_of_memory)
+    with pytest.raises(RuntimeError) as e:
+        engine.warm_up()
+    msg = str(e.value)
+    assert "3-token prefill does not fit in device memory" in msg
+    assert "--mem-fraction-static" in msg and "--max-num-batched-tokens" in msg
+    assert "Tried to allocate 2.00 GiB" in msg
