@@ -126,7 +126,7 @@ def paged_prefill(
 
 
 if HAS_TRITON:
-    from safeserve.kernels.paged_attention import _decode_tile
+    from safeserve.kernels.paged_attention_kernels import _decode_tile
 
     # Values that change from step to step are not specialized (Triton would compile a variant
     # per divisibility by 16, or for 1), so a step of a new shape never waits for a compile:
