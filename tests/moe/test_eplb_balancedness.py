@@ -77,6 +77,19 @@ def _balancedness(server) -> dict[str, float]:
     return out
 
 
+def _wait_serving(server, restarts: int) -> None:
+    """Until group 0 (its incarnation after `restarts` restarts) is READY and both its ranks
+    report idle: a heartbeat taken after the group began serving."""
+    deadline = time.monotonic() + 60.0
+    while time.monotonic() < deadline:
+        g = httpx.get(server.admin_url + "/admin/groups").json()["groups"][0]
+        ranks = [r["phase"] for r in g["ranks"]]
+        if g["restarts"] == restarts and g["state"] == "READY" and ranks == ["idle", "idle"]:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"group 0 not serving: {g}")
+
+
 def _generate(server, model: str, prompts: list[str]) -> None:
     client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
 
@@ -110,13 +123,7 @@ def test_skewed_routing_shows_in_balancedness(
     )
     # The start-up warm-up ran MoE passes, but they are not traffic: once both ranks report
     # idle (a beat taken after the group began serving), no value until a request.
-    deadline = time.monotonic() + 10.0
-    while time.monotonic() < deadline:
-        ranks = httpx.get(s.admin_url + "/admin/groups").json()["groups"][0]["ranks"]
-        if all(r["phase"] == "idle" for r in ranks):
-            break
-        time.sleep(0.2)
-    assert [r["phase"] for r in ranks] == ["idle", "idle"]
+    _wait_serving(s, restarts=0)
     assert _balancedness(s) == {}
     prompts = [f"Request {i}: experts share the work of a batch of tokens." for i in range(4)]
     _generate(s, str(checkpoint), prompts)
@@ -139,6 +146,14 @@ def test_skewed_routing_shows_in_balancedness(
     text = describe_group(groups[0], groups)
     assert "Balance:      0.50 last 10" in text
     assert "dispatch-skew" in text and "expert load balancedness 0.50" in text
+
+    # A restarted group starts a new record: no series (the old incarnation's would be stale)
+    # until its first request, in /metrics as in /admin/groups.
+    r = httpx.post(s.admin_url + "/admin/groups/0/restart")
+    assert r.status_code == 200, r.text
+    _wait_serving(s, restarts=1)
+    assert _balancedness(s) == {}
+    assert httpx.get(s.admin_url + "/admin/groups").json()["groups"][0]["eplb_balancedness"] == {}
 
 
 def test_one_expert_parallel_rank_reports_no_balancedness(server_factory, checkpoint: Path):
