@@ -147,6 +147,8 @@ def test_skewed_routing_shows_in_balancedness(
     assert "Balance:      0.50 last 10" in text
     assert "dispatch-skew" in text and "expert load balancedness 0.50" in text
 
+    if layout != "tp2-ep2-none":
+        return  # the restart check is the frontend's, the same for every backend: run it once
     # A restarted group starts a new record: no series (the old incarnation's would be stale)
     # until its first request, in /metrics as in /admin/groups.
     r = httpx.post(s.admin_url + "/admin/groups/0/restart")
