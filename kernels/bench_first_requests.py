@@ -49,6 +49,7 @@ def _one(ns: argparse.Namespace) -> dict:
     """One run, in this process (started by `main` with a fresh Triton cache)."""
     import torch
 
+    from safeserve.bench import make_prompts
     from safeserve.config import ServerArgs
     from safeserve.engine.engine import Engine
     from safeserve.messages import SamplingParams
@@ -83,7 +84,7 @@ def _one(ns: argparse.Namespace) -> dict:
     ttft: dict[str, list[float]] = {}
     for rep in range(2):
         for i, n in enumerate(sizes):
-            prompt = [(31 * j + 7 * i + rep) % vocab for j in range(n)]
+            prompt = make_prompts(1, n, vocab, seed=100 * rep + i)[0]
             params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
             engine.add_request(f"{rep}-{i}", prompt, params)
             t = time.perf_counter()

@@ -102,18 +102,15 @@ class AttentionMetadata:
                     slot_chunks.append([slot])
                 start += 1
                 continue
-            n_blocks = (ctx + block_size - 1) // block_size
-            blocks = torch.tensor(table[:n_blocks], dtype=torch.int64)
-            slots = (blocks[:, None] * block_size + torch.arange(block_size)[None, :]).reshape(-1)
             if kernels:  # the prefill kernel reads the block table; only the new slots go up
-                pre_tables.append(table[:n_blocks])
+                pre_tables.append(table[: (ctx + block_size - 1) // block_size])
                 pre_ctx.append(ctx)
                 pre_starts.append(start)
                 pre_lens.append(q_len)
-                slot_chunks.append(slots[ctx - q_len : ctx])
+                slot_chunks.append(_slots(table, ctx - q_len, ctx, block_size))
                 start += q_len
                 continue
-            slots = slots[:ctx].to(device)
+            slots = _slots(table, 0, ctx, block_size).to(device)
             seqs.append(SeqAttention(start, q_len, ctx, slots))
             slot_chunks.append(slots[ctx - q_len :])
             start += q_len
@@ -166,6 +163,13 @@ class AttentionMetadata:
             ),
             block_size=block_size,
         )
+
+
+def _slots(table: list[int], lo: int, hi: int, block_size: int) -> torch.Tensor:
+    """Cache slots (int64, on the host) of positions lo .. hi-1 of a sequence's block table."""
+    pos = torch.arange(lo, hi)
+    blocks = torch.tensor(table[: (hi + block_size - 1) // block_size], dtype=torch.int64)
+    return blocks[pos // block_size] * block_size + pos % block_size
 
 
 def _kernels_apply(device: torch.device | str) -> bool:
