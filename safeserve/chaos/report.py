@@ -195,15 +195,15 @@ def dispatch_summary(
 
 
 def balance_summary(samples: list) -> dict[str, dict[str, float]]:
-    """Per group: the lowest and the last expert-load balancedness (10-pass window) that the
-    observer saw (groups with one expert-parallel rank report none)."""
+    """Per group: the lowest, the highest and the last expert-load balancedness (10-pass window)
+    that the observer saw (groups with one expert-parallel rank report none)."""
     seen: dict[str, list[float]] = {}
     for s in samples:
         for g in s.groups:
             value = (g.get("eplb_balancedness") or {}).get("10")
             if value is not None:
                 seen.setdefault(str(g["id"]), []).append(value)
-    return {g: {"min": min(v), "end": v[-1]} for g, v in seen.items()}
+    return {g: {"min": min(v), "max": max(v), "end": v[-1]} for g, v in seen.items()}
 
 
 def server_counters(before: dict, after: dict, groups_before: list, groups_after: list) -> dict:

@@ -328,7 +328,7 @@ def render(report: dict[str, Any]) -> str:
         lines.append(
             "expert balance (10-pass window, 1 = even): "
             + "; ".join(
-                f"group {g} min {b['min']:.2f} end {b['end']:.2f}"
+                f"group {g} min {b['min']:.2f} max {b['max']:.2f} end {b['end']:.2f}"
                 for g, b in sorted(report["balance"].items())
             )
         )

@@ -196,11 +196,13 @@ def test_kill_run_reports_detection_recovery_and_no_loss(server_factory, tmp_pat
     assert pids_before[0][1] not in after[0] and after[1] == pids_before[1]
     assert "PASS" in r.stdout and "detect" in r.stdout
     # Two expert-parallel ranks per group, random routing under sustained load: both ranks get
-    # pairs (above the all-on-one 1/2). Only the last sample is asserted: the lowest may be 1/2,
-    # as a window of a few one-request passes (the restarted group's first) can put every pair
-    # on one rank.
+    # pairs (above the all-on-one 1/2) in some window. Any one window may be 1/2: a window of a
+    # few one-request passes (the restarted group's first, or the last requests of the run, a
+    # tiny random model repeating one greedy token) can put every pair on one rank.
     assert set(rep["balance"]) == {"0", "1"}
-    assert all(0.5 < b["end"] <= 1.0 for b in rep["balance"].values())
+    for b in rep["balance"].values():
+        assert 0.5 <= b["min"] and b["max"] <= 1.0 and b["min"] <= b["end"] <= b["max"]
+        assert b["max"] > 0.5
     assert "expert balance (10-pass window" in r.stdout
 
 
