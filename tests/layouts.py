@@ -78,16 +78,24 @@ def _rank_main(
                         (i, p, row.float().cpu().tolist())
                     )  # plain data: the rank may exit first
             pos += n
-        queue.put(("done", rank, None))
+        graphs = runner.cuda_graphs
+        queue.put(("done", rank, graphs.replays if graphs is not None else None))
         runner.comm.shutdown()
     except Exception:
         queue.put(("error", rank, traceback.format_exc()))
 
 
 def run_layout(
-    model: Path, name: str, seqs: list[list[int]], chunks: list[int], port: int, device: str = "cpu"
+    model: Path,
+    name: str,
+    seqs: list[list[int]],
+    chunks: list[int],
+    port: int,
+    device: str = "cpu",
+    replays: dict | None = None,
 ) -> dict:
-    """{(seq, position): logits row} from a real group of processes."""
+    """{(seq, position): logits row} from a real group of processes; `replays` (if given) gets
+    each rank's decode CUDA graph replays (None where the rank captured none)."""
     layout = LAYOUTS[name]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -108,6 +116,8 @@ def run_layout(
                 raise RuntimeError(f"rank {b} failed:\n{c}")
             if a == "done":
                 done += 1
+                if replays is not None:
+                    replays[b] = c
                 continue
             out[(a, b)] = torch.tensor(c)
     finally:

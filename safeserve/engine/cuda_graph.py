@@ -6,19 +6,30 @@ out. Each bucket's graph reads its inputs from static buffers: a step of `n` seq
 token ids, positions, slots, context lengths and block tables into the first `n` rows of the
 smallest bucket that holds it; the padding rows have context 0 and slot -1, so they write no KV
 and attend to nothing. The graph also computes the logits and their argmax, so a greedy step
-costs one replay and one small device-to-host copy. Everything inside the forward must be capture-safe (no host sync): on
-CUDA that is the Triton fused MoE, top-k and decode-attention path.
+costs one replay and one small device-to-host copy. Everything inside the forward must be
+capture-safe (no host sync): on CUDA that is the Triton fused MoE, top-k and decode-attention
+path, and with more than one rank the NCCL all-reduces of tensor-parallel attention and of the
+`none` backend (the `alltoall` backend needs its split sizes on the host, and attention
+data-parallel gathers rows of sizes that vary per step: those groups decode eagerly).
+
+Every rank of a group captures the same buckets in the same order, and replays the same bucket
+in a step (every rank holds the same plan), so the collectives inside match. Ranks that do not
+sample capture no logits. A step's host bookkeeping inside the forward (admission rounds,
+expert loads for balancedness) is taped at capture and run again after each replay.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 
 from safeserve.engine.attention import AttentionMetadata
 from safeserve.engine.plan import SeqPlan
+from safeserve.moe.dispatch.base import Dispatcher, StepTokens
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +56,14 @@ class DecodeCudaGraphs:
         max_model_len: int,
         block_size: int,
         device: torch.device,
+        dispatcher: Dispatcher | None = None,
+        logits: bool = True,
+        ranks: int = 1,
     ) -> None:
         self.model = model
+        self.dispatcher = dispatcher
+        self.ranks = ranks  # of the group: every rank holds the step's (replicated) tokens
+        self.logits = logits  # False on ranks that do not sample
         self.kv_layers = kv_layers
         self.block_size = block_size
         self.buckets = graph_buckets(max_bs)
@@ -66,7 +83,9 @@ class DecodeCudaGraphs:
         self.slot_mapping.fill_(-1)
         self.uploaded = torch.cuda.Event()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {}
+        self.tapes: dict[int, list[Callable[[], None]]] = {}
+        self.replays = 0
 
     def _meta(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -77,10 +96,14 @@ class DecodeCudaGraphs:
             block_size=self.block_size,
         )
 
-    def _forward(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, bs: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.dispatcher is not None:
+            self.dispatcher.begin_step(StepTokens([bs] * self.ranks, replicated=True))
         hidden = self.model(
             self.input_ids[:bs], self.positions[:bs], self._meta(bs), self.kv_layers
         )
+        if not self.logits:
+            return None
         logits = self.model.compute_logits(hidden)
         return logits, torch.argmax(logits, dim=-1)
 
@@ -88,16 +111,21 @@ class DecodeCudaGraphs:
         """Largest bucket first, all sharing one memory pool. Takes seconds (kernel compiles)."""
         start = time.perf_counter()
         pool = None
+        d = self.dispatcher
         for bs in reversed(self.buckets):
             for _ in range(2):  # compiles kernels and settles allocations outside the capture
                 self._forward(bs)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = self._forward(bs)
+            with d.taping() if d is not None else nullcontext([]) as tape:
+                with torch.cuda.graph(graph, pool=pool):
+                    out = self._forward(bs)
             pool = graph.pool()
             self.graphs[bs] = graph
             self.outputs[bs] = out
+            self.tapes[bs] = tape
+        if d is not None:
+            d.discard_step()  # the runs above are not passes
         torch.cuda.synchronize()
         logger.info(
             "captured decode CUDA graphs for batch sizes %s in %.1f s",
@@ -120,9 +148,10 @@ class DecodeCudaGraphs:
             for s in seqs
         )
 
-    def run(self, seqs: list[SeqPlan]) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, seqs: list[SeqPlan]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """One decode step of `seqs` (check `can_run` first): float32 logits [n, V] and their
-        argmax [n], views of the graph's outputs (valid until the next replay)."""
+        argmax [n], views of the graph's outputs (valid until the next replay); None on a rank
+        that captured no logits."""
         n = len(seqs)
         bs = self.bucket_for(n)
         assert bs is not None
@@ -150,7 +179,13 @@ class DecodeCudaGraphs:
         self.static[rows].copy_(self.host[rows], non_blocking=True)
         self.uploaded.record()
         self.graphs[bs].replay()
-        logits, tokens = self.outputs[bs]
+        self.replays += 1
+        for effect in self.tapes[bs]:
+            effect()
+        out = self.outputs[bs]
+        if out is None:
+            return None
+        logits, tokens = out
         return logits[:n], tokens[:n]
 
 

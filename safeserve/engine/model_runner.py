@@ -100,19 +100,45 @@ class ModelRunner:
         if capture_cuda_graphs:
             self.capture_cuda_graphs()
 
+    def graphs_possible(self) -> bool:
+        """Whether this group's decode step can be a CUDA graph (see engine/cuda_graph.py):
+        CUDA, not disabled, and one rank or tensor-parallel attention with the `none` backend."""
+        args, layout = self.args, self.layout
+        if self.device.type != "cuda" or args.disable_cuda_graph:
+            return False
+        return layout.tp_size == 1 or (
+            not layout.dp_attention and (self.dispatcher is None or args.moe_a2a_backend == "none")
+        )
+
     def capture_cuda_graphs(self) -> None:
-        """Decode steps as CUDA graphs (single-rank CUDA groups; see engine/cuda_graph.py)."""
-        args = self.args
-        if self.device.type != "cuda" or args.disable_cuda_graph or args.tp_size > 1:
+        """Decode steps as CUDA graphs, on every rank of the group or on none."""
+        if not self.graphs_possible():
             return
+        args = self.args
         max_bs = min(args.cuda_graph_max_bs, args.max_running_requests)
         graphs = DecodeCudaGraphs(
-            self.model, self.kv.layers, max_bs, self.max_model_len, args.block_size, self.device
+            self.model,
+            self.kv.layers,
+            max_bs,
+            self.max_model_len,
+            args.block_size,
+            self.device,
+            dispatcher=self.dispatcher,
+            logits=self.layout.rank == 0,  # the leader samples (tensor-parallel attention)
+            ranks=self.layout.tp_size,
         )
+        error = ""
         try:
             graphs.capture()
         except RuntimeError as e:  # a forward that cannot be captured still serves, eagerly
-            logger.warning("CUDA graph capture failed, decoding eagerly: %s", e)
+            error = str(e) or type(e).__name__
+        # A rank replaying while a peer runs the step eagerly would pair different collectives.
+        if self._agree_min(0 if error else 1) == 0:
+            logger.warning(
+                "CUDA graph capture failed%s, decoding eagerly%s",
+                " on a peer rank" if not error else "",
+                f": {error}" if error else "",
+            )
             return
         self.cuda_graphs = graphs
 
@@ -183,6 +209,8 @@ class ModelRunner:
             out["memory_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
             if self.startup_peak_bytes is not None:
                 out["memory_startup_peak_bytes"] = self.startup_peak_bytes
+        if self.cuda_graphs is not None:
+            out["cuda_graph_replays"] = self.cuda_graphs.replays
         if self.dispatcher is not None:
             out.update(balancedness.stats_keys(self.dispatcher.balance))
         if self.buffers is not None:
@@ -291,12 +319,15 @@ class ModelRunner:
         graphs = self.cuda_graphs
         # A captured graph ignores fault hooks set after capture: faulted steps run eagerly.
         if graphs is not None and graphs.can_run(mine) and not self._faults_active():
-            logits, greedy = graphs.run(mine)  # single-rank groups only: this rank samples
+            out = graphs.run(mine)  # the same plan on every rank: the same bucket
+            if out is None or not samples_here or not sampling:
+                return None, None, sampling
+            logits, greedy = out
             if len(sampling) < len(mine):
                 rows = [i for i, s in enumerate(mine) if s.params is not None]
                 index = torch.tensor(rows, dtype=torch.int64, device=self.device)
                 logits, greedy = logits[index], greedy[index]
-            return (logits, greedy, sampling) if sampling else (None, None, sampling)
+            return logits, greedy, sampling
         hidden, sample_rows = self._forward_eager(mine)
         if not samples_here or not sampling:
             return None, None, sampling

@@ -85,6 +85,9 @@ class AdmissionStats:
     buffer_bytes: int = 0  # preallocated
     buffer_peak_bytes: int = 0  # most of it ever in use
 
+    def count_cut(self) -> None:
+        self.dispatches_cut += 1
+
 
 @dataclass
 class DispatchBuffers:

@@ -37,8 +37,9 @@ class MoELayer(torch.nn.Module):
             # One rank, one round, CUDA: the fused MoE allocates its own (budget-bounded)
             # buffers, so staging the rows in the receive buffer and back is two copies for
             # nothing; the round is still recorded as the dispatcher would.
-            if self.dispatcher.buffers is not None:
-                self.dispatcher.buffers.record_round(hidden_states.shape[0])
+            buffers, rows = self.dispatcher.buffers, hidden_states.shape[0]
+            if buffers is not None:
+                self.dispatcher.host_effect(lambda: buffers.record_round(rows))
             if self.on_phase is not None:
                 self.on_phase("experts")
             d = DispatchOutput(hidden_states, topk.topk_ids, topk.topk_weights)

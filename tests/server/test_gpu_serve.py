@@ -1,6 +1,9 @@
-"""The server on CUDA: one rank, and a 2-rank alltoall group with attention data-parallel."""
+"""The server on CUDA: one rank, a 2-rank alltoall group with attention data-parallel, and a
+2-rank tensor-parallel group with the `none` backend (decoding through CUDA graphs)."""
 
 from __future__ import annotations
+
+import time
 
 import httpx
 import pytest
@@ -10,7 +13,12 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize(
-    "layout", [[], ["--tp-size", "2", "--moe-a2a-backend", "alltoall", "--enable-dp-attention"]]
+    "layout",
+    [
+        [],
+        ["--tp-size", "2", "--moe-a2a-backend", "alltoall", "--enable-dp-attention"],
+        ["--tp-size", "2", "--ep-size", "2", "--moe-a2a-backend", "none"],
+    ],
 )
 def test_serves_on_cuda_and_matches_float32_single_rank(server_factory, checkpoint, layout) -> None:
     if torch.cuda.device_count() < (2 if layout else 1):
@@ -22,6 +30,8 @@ def test_serves_on_cuda_and_matches_float32_single_rank(server_factory, checkpoi
             s = server_factory(["--model", str(checkpoint)])
         else:
             s = server_factory(base + extra)
+            time.sleep(1.0)  # heartbeats (every 0.25 s) carry the warm-up's replays by now
+            before = _replays(s)
         body = {
             "model": str(checkpoint),
             "prompt": "The quick brown fox",
@@ -32,4 +42,21 @@ def test_serves_on_cuda_and_matches_float32_single_rank(server_factory, checkpoi
         r = httpx.post(s.url + "/v1/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text
         outs[name] = r.json()["choices"][0]["token_ids"]
+        if extra is not None:
+            # The first token comes from the prefill, each other one from a decode step: a CUDA
+            # graph replay on every rank, except in the alltoall group (its split sizes go
+            # through the host). Heartbeats carry the count, so wait for the last one.
+            decode_steps = len(outs[name]) - 1
+            want = (
+                [None] * len(before) if "alltoall" in layout else [n + decode_steps for n in before]
+            )
+            deadline = time.monotonic() + 10
+            while (after := _replays(s)) != want and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert after == want and decode_steps > 0
     assert outs["gpu"] == outs["cpu-ref"]
+
+
+def _replays(server) -> list:  # type: ignore[no-untyped-def]
+    (group,) = httpx.get(server.admin_url + "/admin/groups").json()["groups"]
+    return [r["cuda_graph_replays"] for r in group["ranks"]]

@@ -47,7 +47,8 @@ class AllGatherDispatcher(Dispatcher):
         assert step is not None, "begin_step() first"
         sources = [hidden_states.shape[0]] if step.replicated else list(step.per_rank)
         budget = self.budget or max(1, sum(sources))
-        self.last_count_matrix = torch.tensor([[n] * self.comm.world for n in sources])
+        matrix = torch.tensor([[n] * self.comm.world for n in sources])
+        self.host_effect(lambda: setattr(self, "last_count_matrix", matrix))
         rounds = plan_token_rounds(sources, budget)
         self._note_share(sum(sources), sum(sources))  # every rank receives every token
         return _State(
@@ -70,8 +71,10 @@ class AllGatherDispatcher(Dispatcher):
             ids = self.comm.all_gather_rows(ids, sizes)
             w = self.comm.all_gather_rows(w, sizes)
         if self.placement.ep_size > 1:  # every rank sees the round's whole routing
-            per_rank = self.placement.experts_per_rank
-            loads = torch.bincount((ids // per_rank).reshape(-1), minlength=self.placement.ep_size)
+            # A scatter, not torch.bincount: no host sync, so the step can be a CUDA graph.
+            dest = (ids // self.placement.experts_per_rank).reshape(-1).long()
+            loads = torch.zeros(self.placement.ep_size, dtype=torch.int64, device=ids.device)
+            loads.scatter_add_(0, dest, torch.ones_like(dest))
             state.loads = loads if state.loads is None else state.loads + loads
         buf_x, _ = recv_views(self.buffers, x.shape[0])
         if buf_x is not None:

@@ -8,7 +8,8 @@ its budget). `run` drives them: `prepare` (share counts, plan rounds), then per 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,6 +75,8 @@ class Dispatcher(ABC):
     # know them there); `end_step` moves them to the recorder in one transfer.
     _device_loads: list[torch.Tensor] | None = None
     _balance: BalancednessRecorder | None = None
+    # While a CUDA graph captures a step: the step's host bookkeeping, to run after each replay.
+    _tape: list[Callable[[], None]] | None = None
 
     def begin_step(self, step: StepTokens) -> None:
         self.step = step
@@ -86,10 +89,35 @@ class Dispatcher(ABC):
             self._balance = BalancednessRecorder()
         return self._balance
 
+    def host_effect(self, fn: Callable[[], None]) -> None:
+        """Runs `fn`, host-side bookkeeping of the step (statistics, loads to record). While
+        `taping`, it is also kept: a graph replay does the device work only, so whoever replays
+        the captured step runs the tape after it."""
+        fn()
+        if self._tape is not None:
+            self._tape.append(fn)
+
+    @contextmanager
+    def taping(self) -> Iterator[list[Callable[[], None]]]:
+        """The host effects of the steps run inside, in order (for a CUDA graph capture)."""
+        tape: list[Callable[[], None]] = []
+        self._tape = tape
+        try:
+            yield tape
+        finally:
+            self._tape = None
+
+    def discard_step(self) -> None:
+        """Forgets the device loads of a step that is not a pass (warm-up and capture runs)."""
+        self._device_loads = []
+
     def _record_device_loads(self, loads: torch.Tensor) -> None:
-        if self._device_loads is None:
-            self._device_loads = []
-        self._device_loads.append(loads)
+        def record() -> None:
+            if self._device_loads is None:
+                self._device_loads = []
+            self._device_loads.append(loads)
+
+        self.host_effect(record)
 
     def end_step(self) -> None:
         """Closes the step's pass in the balancedness record (after the step's last layer)."""
@@ -102,7 +130,11 @@ class Dispatcher(ABC):
     def _note_share(self, received_by_busiest: int, step_tokens: int) -> None:
         if step_tokens > 0:
             share = received_by_busiest / step_tokens
-            self.step_peak_share = max(self.step_peak_share or 0.0, share)
+
+            def note() -> None:
+                self.step_peak_share = max(self.step_peak_share or 0.0, share)
+
+            self.host_effect(note)
 
     @property
     def budget(self) -> int | None:
@@ -136,14 +168,16 @@ class Dispatcher(ABC):
         phase("dispatch")
         state = self.prepare(hidden_states, topk)
         rounds = self.num_rounds(state)
-        if self.buffers is not None and rounds > 1:
-            self.buffers.stats.dispatches_cut += 1
+        buffers = self.buffers
+        if buffers is not None and rounds > 1:
+            self.host_effect(buffers.stats.count_cut)
         for r in range(rounds):
             phase("dispatch")
             d = self.dispatch(state, r)
-            if self.buffers is not None:
-                self.buffers.record_round(d.hidden_states.shape[0])
-                d.workspace = self.buffers
+            if buffers is not None:
+                rows = d.hidden_states.shape[0]
+                self.host_effect(lambda rows=rows: buffers.record_round(rows))
+                d.workspace = buffers
             phase("experts")
             out = experts(d)
             phase("combine")

@@ -1,0 +1,84 @@
+"""A decode step captured as a CUDA graph replays device work only: the dispatcher's host
+bookkeeping (admission rounds, cut dispatches, the busiest rank's share, expert loads for
+balancedness) is taped at capture and run after each replay. Replaying the tape must leave every
+statistic as running the step eagerly would."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from safeserve.engine.parallel import Comm, Layout
+from safeserve.guards.admission import DispatchBuffers
+from safeserve.moe.dispatch import AllGatherDispatcher, CombineInput, DispatchOutput, StepTokens
+from safeserve.moe.eplb.balancedness import layer_balancedness
+from safeserve.moe.placement import ExpertPlacement
+from safeserve.moe.topk import TopKOutput
+
+HIDDEN, TOKENS, TOP_K, EXPERTS, EP = 8, 5, 2, 8, 2
+
+
+def _dispatcher(budget: int) -> AllGatherDispatcher:
+    # One process: the group's collectives are the identity, the expert split is EP 2's rank 0.
+    d = AllGatherDispatcher(ExpertPlacement(EXPERTS, EP, 0), Comm(Layout(), torch.device("cpu")))
+    d.buffers = DispatchBuffers.allocate(
+        budget, HIDDEN, 4, TOP_K, torch.float32, torch.device("cpu")
+    )
+    return d
+
+
+def _experts(d: DispatchOutput) -> CombineInput:
+    return CombineInput(d.hidden_states * 2.0)
+
+
+def _step(d: AllGatherDispatcher, x: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
+    d.begin_step(StepTokens([TOKENS], replicated=True))
+    return d.run(x, topk, _experts)
+
+
+def _stats(d: AllGatherDispatcher) -> tuple:
+    s = d.buffers.stats
+    return (
+        s.rounds_total,
+        s.recv_peak,
+        s.dispatches_cut,
+        s.buffer_peak_bytes,
+        d.step_peak_share,
+        d.last_count_matrix.tolist(),
+        d.balance.passes,
+        d.balance.window_means(),
+    )
+
+
+def test_replayed_tape_records_what_an_eager_step_records() -> None:
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(TOKENS, HIDDEN, generator=gen)
+    ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOP_K] for _ in range(TOKENS)])
+    topk = TopKOutput(ids, torch.rand(TOKENS, TOP_K, generator=gen), None)
+    budget = 2  # 5 tokens: 3 rounds, so the dispatch is cut
+
+    eager = _dispatcher(budget)
+    for _ in range(3):
+        out = _step(eager, x, topk)
+        eager.end_step()
+    torch.testing.assert_close(out, x * 2.0)
+
+    taped = _dispatcher(budget)
+    with taped.taping() as tape:
+        _step(taped, x, topk)  # its effects run once now (the capture's own step) ...
+    taped.discard_step()
+    taped.end_step()
+    assert tape, "nothing was taped"
+    for _ in range(2):  # ... and again after each replay
+        taped.begin_step(StepTokens([TOKENS], replicated=True))
+        for effect in tape:
+            effect()
+        taped.end_step()
+    assert _stats(taped)[:6] == _stats(eager)[:6]
+    assert taped.buffers.stats.rounds_total == 9 and taped.buffers.stats.dispatches_cut == 3
+    # Each recorded pass: this step's per-EP-rank loads, counted on the device (no bincount);
+    # the capture's own run recorded none (discarded: a capture computes nothing).
+    loads = torch.bincount((ids // (EXPERTS // EP)).reshape(-1), minlength=EP).tolist()
+    expected = layer_balancedness(loads)
+    assert eager.balance.passes == 3 and eager.balance.window_means()[10] == pytest.approx(expected)
+    assert taped.balance.passes == 2 and taped.balance.window_means()[10] == pytest.approx(expected)
