@@ -126,8 +126,19 @@ class ServerArgs:
         "--enable-dp-attention groups decode eagerly.",
         "performance",
     )
+    cuda_graph_max_tokens: int = _flag(
+        2048,
+        "Largest prefill or mixed step (in tokens, at most --max-num-batched-tokens) run as "
+        "piecewise CUDA graphs: everything but attention is captured at start-up for steps of "
+        "16, 32, ..., 256 tokens, then every 128 up to 1024 and every 256 beyond, up to this; "
+        "attention runs eagerly between the pieces. Larger steps run eagerly; 0 turns them off. "
+        "The same groups as --cuda-graph-max-bs.",
+        "performance",
+    )
     disable_cuda_graph: bool = _flag(
-        False, "Run decode steps eagerly, without CUDA graphs.", "performance"
+        False,
+        "Run every step eagerly, without CUDA graphs (decode and piecewise).",
+        "performance",
     )
     disable_pdl: bool = _flag(
         False,
@@ -244,6 +255,8 @@ class ServerArgs:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
         if self.cuda_graph_max_bs < 1:
             raise ConfigError("--cuda-graph-max-bs must be at least 1")
+        if self.cuda_graph_max_tokens < 0:
+            raise ConfigError("--cuda-graph-max-tokens must be 0 (off) or positive")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size < 1:
             raise ConfigError("--chunked-prefill-size must be at least 1")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:

@@ -78,8 +78,8 @@ def _rank_main(
                         (i, p, row.float().cpu().tolist())
                     )  # plain data: the rank may exit first
             pos += n
-        graphs = runner.cuda_graphs
-        queue.put(("done", rank, graphs.replays if graphs is not None else None))
+        graphs = [runner.cuda_graphs, runner.piecewise]
+        queue.put(("done", rank, tuple(g.replays if g is not None else None for g in graphs)))
         runner.comm.shutdown()
     except Exception:
         queue.put(("error", rank, traceback.format_exc()))
@@ -95,7 +95,7 @@ def run_layout(
     replays: dict | None = None,
 ) -> dict:
     """{(seq, position): logits row} from a real group of processes; `replays` (if given) gets
-    each rank's decode CUDA graph replays (None where the rank captured none)."""
+    each rank's (decode, piecewise) CUDA graph replays (None where the rank captured none)."""
     layout = LAYOUTS[name]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()

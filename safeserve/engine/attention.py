@@ -18,6 +18,7 @@ keys/values itself (fused with q/k norm and RoPE: `safeserve.kernels.norm_rope`)
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +62,11 @@ class AttentionMetadata:
     decode: AttentionMetadata | None = None
     # Prefill kernel (CUDA): every chunk of more than one token; block_size as above.
     prefill: PrefillBatch | None = None
+    # While piecewise CUDA graphs capture (engine/piecewise_graph.py): called by `attend` in
+    # place of attention, with (q, kv_cache, scale); returns the buffer the output will be in.
+    cut: Callable[[torch.Tensor, tuple[torch.Tensor, torch.Tensor], float], torch.Tensor] | None = (
+        None
+    )
 
     @property
     def is_decode_kernel(self) -> bool:
@@ -202,6 +208,8 @@ def attend(
     scale: float,
 ) -> torch.Tensor:
     """Attention of q [T, Hq, D] over the cache, this step's keys/values already stored."""
+    if meta.cut is not None:
+        return meta.cut(q, kv_cache, scale)
     k_cache, v_cache = kv_cache
     if meta.is_decode_kernel:
         assert meta.block_tables is not None and meta.context_lens is not None

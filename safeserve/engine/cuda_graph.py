@@ -45,6 +45,11 @@ def graph_buckets(max_bs: int) -> list[int]:
     return sizes
 
 
+def smallest_bucket(buckets: list[int], n: int) -> int | None:
+    """The first of the ascending `buckets` that holds `n`; None if none does."""
+    return next((b for b in buckets if b >= n), None)
+
+
 class DecodeCudaGraphs:
     """Graphs of the whole decode step: forward, logits and the greedy argmax of every row."""
 
@@ -134,10 +139,7 @@ class DecodeCudaGraphs:
         )
 
     def bucket_for(self, n: int) -> int | None:
-        for bs in self.buckets:
-            if bs >= n:
-                return bs
-        return None
+        return smallest_bucket(self.buckets, n)
 
     def can_run(self, seqs: list[SeqPlan]) -> bool:
         if not seqs or len(seqs) > self.max_bs:

@@ -18,6 +18,7 @@ from safeserve.engine.attention import AttentionMetadata
 from safeserve.engine.cuda_graph import DecodeCudaGraphs
 from safeserve.engine.kv_cache import KVCache
 from safeserve.engine.parallel import Comm, Layout
+from safeserve.engine.piecewise_graph import PiecewiseCudaGraphs
 from safeserve.engine.plan import Faults, SeqPlan, StepPlan
 from safeserve.engine.sampler import sample
 from safeserve.guards.admission import DispatchBuffers, bytes_per_recv_row
@@ -97,6 +98,7 @@ class ModelRunner:
         self.startup_peak_bytes: int | None = None  # set by begin_serving()
         self.last_own_step_s = 0.0  # this rank's step time outside collectives
         self.cuda_graphs: DecodeCudaGraphs | None = None
+        self.piecewise: PiecewiseCudaGraphs | None = None
         if capture_cuda_graphs:
             self.capture_cuda_graphs()
 
@@ -127,20 +129,43 @@ class ModelRunner:
             logits=self.layout.rank == 0,  # the leader samples (tensor-parallel attention)
             ranks=self.layout.tp_size,
         )
+        if self._capture("decode", graphs.capture):
+            self.cuda_graphs = graphs
+        max_tokens = min(args.cuda_graph_max_tokens, args.max_num_batched_tokens)
+        if max_tokens < 1:
+            return
+        piecewise = PiecewiseCudaGraphs(
+            self.model,
+            self.kv.layers,
+            max_tokens,
+            head_split(self.config, self.layout).num_heads,
+            self.config.head_dim,
+            DTYPES[args.dtype],
+            self.device,
+            dispatcher=self.dispatcher,
+            ranks=self.layout.tp_size,
+        )
+        if self._capture("piecewise", piecewise.capture):
+            self.piecewise = piecewise
+
+    def _capture(self, what: str, capture: Callable[[], None]) -> bool:
+        """Runs a capture on every rank; False (and the group runs those steps eagerly) when it
+        failed on any rank: a rank replaying while a peer runs the step eagerly would pair
+        different collectives."""
         error = ""
         try:
-            graphs.capture()
+            capture()
         except RuntimeError as e:  # a forward that cannot be captured still serves, eagerly
             error = str(e) or type(e).__name__
-        # A rank replaying while a peer runs the step eagerly would pair different collectives.
         if self._agree_min(0 if error else 1) == 0:
             logger.warning(
-                "CUDA graph capture failed%s, decoding eagerly%s",
+                "%s CUDA graph capture failed%s, running those steps eagerly%s",
+                what,
                 " on a peer rank" if not error else "",
                 f": {error}" if error else "",
             )
-            return
-        self.cuda_graphs = graphs
+            return False
+        return True
 
     # -- start-up -------------------------------------------------------------------------------
     def _setup_admission(self) -> DispatchBuffers | None:
@@ -211,6 +236,8 @@ class ModelRunner:
                 out["memory_startup_peak_bytes"] = self.startup_peak_bytes
         if self.cuda_graphs is not None:
             out["cuda_graph_replays"] = self.cuda_graphs.replays
+        if self.piecewise is not None:
+            out["piecewise_graph_replays"] = self.piecewise.replays
         if self.dispatcher is not None:
             out.update(balancedness.stats_keys(self.dispatcher.balance))
         if self.buffers is not None:
@@ -328,7 +355,7 @@ class ModelRunner:
                 index = torch.tensor(rows, dtype=torch.int64, device=self.device)
                 logits, greedy = logits[index], greedy[index]
             return logits, greedy, sampling
-        hidden, sample_rows = self._forward_eager(mine)
+        hidden, sample_rows = self._forward(mine)
         if not samples_here or not sampling:
             return None, None, sampling
         return self.model.compute_logits(hidden[sample_rows]), None, sampling
@@ -336,7 +363,8 @@ class ModelRunner:
     def _faults_active(self) -> bool:
         return getattr(self.faults, "route_skew_expert", None) is not None
 
-    def _forward_eager(self, seqs: list[SeqPlan]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, seqs: list[SeqPlan]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A step that no decode graph runs: as piecewise graphs where it fits, else eagerly."""
         ids: list[int] = []
         positions: list[int] = []
         sample_rows: list[int] = []
@@ -352,10 +380,14 @@ class ModelRunner:
             self.args.block_size,
             self.device,
         )
-        hidden = self.model(
-            torch.tensor(ids, dtype=torch.int64, device=self.device),
-            torch.tensor(positions, dtype=torch.int64, device=self.device),
-            meta,
-            self.kv.layers,
-        )
+        pw = self.piecewise
+        if pw is not None and pw.can_run(len(ids)) and not self._faults_active():
+            hidden = pw.run(ids, positions, meta)
+        else:
+            hidden = self.model(
+                torch.tensor(ids, dtype=torch.int64, device=self.device),
+                torch.tensor(positions, dtype=torch.int64, device=self.device),
+                meta,
+                self.kv.layers,
+            )
         return hidden, torch.tensor(sample_rows, dtype=torch.int64, device=self.device)

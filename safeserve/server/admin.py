@@ -50,6 +50,7 @@ def group_view(state: ServerState) -> list[dict[str, Any]]:
                     "memory_peak_bytes": st.stats.get("memory_peak_bytes"),
                     "memory_startup_peak_bytes": st.stats.get("memory_startup_peak_bytes"),
                     "cuda_graph_replays": st.stats.get("cuda_graph_replays"),
+                    "piecewise_graph_replays": st.stats.get("piecewise_graph_replays"),
                     "dispatch": {k: v for k, v in st.stats.items() if k.startswith("dispatch_")},
                 }
             )

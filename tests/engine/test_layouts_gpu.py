@@ -28,12 +28,14 @@ def test_layout_logits_on_gpus(checkpoint: Path, name: str) -> None:
     chunks = [4, 5, 1, 1, 1, 3, 1]  # the one-token steps are decode steps
     got = run_layout(checkpoint, name, seqs, chunks, free_port(), device="cuda", replays=replays)
     assert got
-    # Tensor-parallel attention with the `none` backend decodes through CUDA graphs on every
-    # rank (NCCL inside the graph); alltoall and DP-attention groups decode eagerly.
+    # Tensor-parallel attention with the `none` backend runs its steps through CUDA graphs on
+    # every rank (NCCL inside the graph): the decode steps at positions 9, 10 and 11 as decode
+    # graphs, the chunks of 4, 5 and 3 as piecewise graphs (the last, empty step eagerly).
+    # alltoall and DP-attention groups run eagerly.
     _, _, backend, dp = LAYOUTS[name]
     if backend == "none" and not dp:
-        assert replays == {0: 3, 1: 3}  # the steps at positions 9, 10 and 11
+        assert replays == {0: (3, 3), 1: (3, 3)}
     else:
-        assert replays == {0: None, 1: None}
+        assert replays == {0: (None, None), 1: (None, None)}
     for (i, pos), row in got.items():
         torch.testing.assert_close(row, ref[i][pos], atol=1e-4, rtol=0)

@@ -42,11 +42,13 @@ def _runner(  # type: ignore[no-untyped-def]
     runner.capture_cuda_graphs()
     if device == "cuda":
         assert (runner.cuda_graphs is not None) == graphs
+        assert (runner.piecewise is not None) == graphs
     return runner
 
 
 def _logits_trace(runner) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
-    """Three requests of different prompt lengths, prefilled together, then 12 decode steps."""
+    """Three requests of different prompt lengths, prefilled together, then 12 steps: decodes,
+    except step 8, where request 1 computes a chunk of 3 tokens (a mixed step)."""
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (9, 1, 17)]
     tables = [
@@ -63,12 +65,17 @@ def _logits_trace(runner) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
     for step in range(1, 13):
         # Request 1 sits out step 5, so that batch sizes 2 and 3 (padded to 4) both replay.
         active = [i for i in range(3) if not (step == 5 and i == 1)]
-        plan = [SeqPlan([last[i]], lens[i], tables[i], GREEDY, step) for i in active]
+        ids = {
+            i: [last[i]] + ([(7 * step) % 256, 31] if step == 8 and i == 1 else []) for i in active
+        }
+        plan = [SeqPlan(ids[i], lens[i], tables[i], GREEDY, step) for i in active]
         logits, _ = runner.run_plan(StepPlan(step=step, per_rank=[plan]))
         trace.append(logits.float().cpu())
         for row, i in enumerate(active):
             last[i] = int(logits[row].argmax())
-            lens[i] += 1
+            lens[i] += len(ids[i])
+    if getattr(runner, "piecewise", None) is not None:
+        assert runner.piecewise.replays == 2  # the prefill and the mixed step
     return trace
 
 

@@ -32,6 +32,7 @@ def test_serves_on_cuda_and_matches_float32_single_rank(server_factory, checkpoi
             s = server_factory(base + extra)
             time.sleep(1.0)  # heartbeats (every 0.25 s) carry the warm-up's replays by now
             before = _replays(s)
+            before_pw = _piecewise(s)
         body = {
             "model": str(checkpoint),
             "prompt": "The quick brown fox",
@@ -54,9 +55,17 @@ def test_serves_on_cuda_and_matches_float32_single_rank(server_factory, checkpoi
             while (after := _replays(s)) != want and time.monotonic() < deadline:
                 time.sleep(0.2)
             assert after == want and decode_steps > 0
+            # The prompt's prefill: one piecewise replay per rank (none in the alltoall group).
+            pw = [None] * len(before) if "alltoall" in layout else [n + 1 for n in before_pw]
+            assert _piecewise(s) == pw
     assert outs["gpu"] == outs["cpu-ref"]
 
 
 def _replays(server) -> list:  # type: ignore[no-untyped-def]
     (group,) = httpx.get(server.admin_url + "/admin/groups").json()["groups"]
     return [r["cuda_graph_replays"] for r in group["ranks"]]
+
+
+def _piecewise(server) -> list:  # type: ignore[no-untyped-def]
+    (group,) = httpx.get(server.admin_url + "/admin/groups").json()["groups"]
+    return [r["piecewise_graph_replays"] for r in group["ranks"]]

@@ -1,7 +1,9 @@
-"""A decode step captured as a CUDA graph replays device work only: the dispatcher's host
-bookkeeping (admission rounds, cut dispatches, the busiest rank's share, expert loads for
-balancedness) is taped at capture and run after each replay. Replaying the tape must leave every
-statistic as running the step eagerly would."""
+"""The host side of CUDA-graph steps (engine/cuda_graph.py, engine/piecewise_graph.py), on CPU.
+
+A replay does device work only: the dispatcher's host bookkeeping (admission rounds, cut
+dispatches, the busiest rank's share, expert loads for balancedness) is taped at capture and run
+after each replay, and must leave every statistic as running the step eagerly would. And every
+step size maps to the smallest bucket that holds it."""
 
 from __future__ import annotations
 
@@ -82,3 +84,20 @@ def test_replayed_tape_records_what_an_eager_step_records() -> None:
     expected = layer_balancedness(loads)
     assert eager.balance.passes == 3 and eager.balance.window_means()[10] == pytest.approx(expected)
     assert taped.balance.passes == 2 and taped.balance.window_means()[10] == pytest.approx(expected)
+
+
+def test_graph_buckets_cover_every_size_once() -> None:
+    """Every step size up to the largest bucket replays the smallest bucket that holds it."""
+    from safeserve.engine.cuda_graph import graph_buckets, smallest_bucket
+    from safeserve.engine.piecewise_graph import piecewise_buckets
+
+    assert piecewise_buckets(2048)[:7] == [16, 32, 64, 128, 256, 384, 512]
+    assert piecewise_buckets(2048)[-5:] == [1024, 1280, 1536, 1792, 2048]
+    assert piecewise_buckets(100) == [16, 32, 64, 100] and piecewise_buckets(1) == [1]
+    assert graph_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    for buckets in (piecewise_buckets(1000), graph_buckets(100)):
+        assert buckets == sorted(set(buckets))
+        for n in range(1, buckets[-1] + 1):
+            b = smallest_bucket(buckets, n)
+            assert b is not None and b >= n and all(x < n for x in buckets if x < b)
+        assert smallest_bucket(buckets, buckets[-1] + 1) is None
