@@ -152,14 +152,20 @@ class RoutingProbe:
     """Reads which experts each MoE layer's router chose in the last step.
 
     Forward hooks see eager steps; a CUDA graph's replays run no Python, so the hooks also keep,
-    per batch size, the router outputs recorded while each graph was captured: their memory is
-    the graph's and holds each replay's routing.
+    per graph and bucket, the router outputs recorded while it was captured: their memory is the
+    graph's and holds each replay's routing. The runner captures its decode graphs first
+    (`runner.cuda_graphs` is set once they all are), then its piecewise graphs (whose token
+    buckets overlap the decode batch buckets): a step reads the record of what ran it.
     """
 
-    def __init__(self, model: torch.nn.Module, num_experts: int) -> None:
+    def __init__(self, model: torch.nn.Module, num_experts: int, runner: Any = None) -> None:
+        self.runner = runner
         self.num_experts = num_experts
         self.eager: dict[int, torch.Tensor] = {}
-        self.captured: dict[int, dict[int, torch.Tensor]] = {}
+        self.captured: dict[str, dict[int, dict[int, torch.Tensor]]] = {
+            "decode": {},
+            "piecewise": {},
+        }
         self.handles = []
         moe = [layer for layer in model.layers if layer.is_moe]
         for i, layer in enumerate(moe):
@@ -170,7 +176,10 @@ class RoutingProbe:
         def hook(module: torch.nn.Module, inputs: Any, output: Any) -> None:
             ids = output.topk_ids
             if ids.is_cuda and torch.cuda.is_current_stream_capturing():
-                self.captured.setdefault(ids.shape[0], {})[index] = ids
+                kind = (
+                    "decode" if getattr(self.runner, "cuda_graphs", None) is None else "piecewise"
+                )
+                self.captured[kind].setdefault(ids.shape[0], {})[index] = ids
             else:
                 self.eager[index] = ids
 
@@ -178,7 +187,15 @@ class RoutingProbe:
 
     def experts_read(self, batch: int, graph_bucket: int | None) -> list[int]:
         """Distinct experts of each MoE layer among the real `batch` rows of the last step."""
-        src = self.captured[graph_bucket] if graph_bucket is not None else self.eager
+        from safeserve.engine.cuda_graph import smallest_bucket
+
+        piecewise = getattr(self.runner, "piecewise", None)
+        if graph_bucket is not None:
+            src = self.captured["decode"][graph_bucket]
+        elif piecewise is not None and piecewise.can_run(batch):  # one token per sequence
+            src = self.captured["piecewise"][smallest_bucket(piecewise.buckets, batch)]
+        else:
+            src = self.eager
         ids = torch.stack([src[i][:batch] for i in range(self.num_layers)])  # [L, B, k]
         flat = ids.reshape(self.num_layers, -1)
         seen = torch.zeros(self.num_layers, self.num_experts + 1, dtype=torch.bool)
@@ -360,7 +377,7 @@ def run_engine(args: ServerArgs, opts: BenchOptions, ceiling: float) -> tuple[di
     t0 = time.perf_counter()
     runner = ModelRunner(args, capture_cuda_graphs=False)
     probe = RoutingProbe(
-        runner.model, runner.config.num_experts
+        runner.model, runner.config.num_experts, runner
     )  # before capture: the hooks must see each graph's outputs
     runner.capture_cuda_graphs()
     progress(
