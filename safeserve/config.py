@@ -121,7 +121,8 @@ class ServerArgs:
     cuda_graph_max_bs: int = _flag(
         64,
         "Largest decode batch run as a CUDA graph (graphs are captured at start-up for batch "
-        "sizes 1, 2, 4, 8, 16, ... up to this; larger batches run eagerly). Groups of one rank, "
+        "sizes 1, 2, 4, 8, 16, ... up to this; larger batches run as piecewise graphs up to "
+        "--cuda-graph-max-tokens, eagerly beyond). Groups of one rank, "
         "and tensor-parallel attention with --moe-a2a-backend none; alltoall and "
         "--enable-dp-attention groups decode eagerly.",
         "performance",

@@ -103,8 +103,9 @@ class ModelRunner:
             self.capture_cuda_graphs()
 
     def graphs_possible(self) -> bool:
-        """Whether this group's decode step can be a CUDA graph (see engine/cuda_graph.py):
-        CUDA, not disabled, and one rank or tensor-parallel attention with the `none` backend."""
+        """Whether this group's steps can be CUDA graphs (decode: engine/cuda_graph.py; prefill
+        and mixed: engine/piecewise_graph.py): CUDA, not disabled, and one rank or
+        tensor-parallel attention with the `none` backend."""
         args, layout = self.args, self.layout
         if self.device.type != "cuda" or args.disable_cuda_graph:
             return False
@@ -113,7 +114,8 @@ class ModelRunner:
         )
 
     def capture_cuda_graphs(self) -> None:
-        """Decode steps as CUDA graphs, on every rank of the group or on none."""
+        """Decode steps as CUDA graphs, then prefill and mixed steps as piecewise ones; each
+        kind on every rank of the group or on none."""
         if not self.graphs_possible():
             return
         args = self.args
