@@ -87,10 +87,20 @@ def ranks_table(groups: list[dict[str, Any]]) -> str:
                     _gib(r.get("memory_bytes")),
                     recv,
                     d.get("dispatch_cut_total"),
+                    _graph_replays(r),
                 ]
             )
     header = ["GROUP/RANK", "PID", "DEVICE", "STEP", "PHASE", "HEARTBEAT", "UTIL", "MEMORY"]
-    return table([*header, "RECV-PEAK/BUDGET", "CUT"], rows)
+    return table([*header, "RECV-PEAK/BUDGET", "CUT", "GRAPHS(DECODE/PIECEWISE)"], rows)
+
+
+def _graph_replays(rank: dict[str, Any]) -> str | None:
+    """Steps the rank replayed as decode / piecewise CUDA graphs; None when it captured none
+    (CPU, --disable-cuda-graph, alltoall or DP-attention groups): every step runs eagerly."""
+    decode, piecewise = rank.get("cuda_graph_replays"), rank.get("piecewise_graph_replays")
+    if decode is None and piecewise is None:
+        return None
+    return f"{'-' if decode is None else decode}/{'-' if piecewise is None else piecewise}"
 
 
 def runbooks_for(

@@ -56,7 +56,8 @@ def test_oncall_views_actions_and_runbooks(server_factory) -> None:
     pids = {g["id"]: [rk["pid"] for rk in g["ranks"]] for g in groups}
     ranks = oncall(a, "get", "ranks").stdout.splitlines()
     assert len(ranks) == 1 + 4 and ranks[1].split()[:2] == ["0/0", str(pids[0][0])]
-    assert "RECV-PEAK/BUDGET" in ranks[0]
+    assert "RECV-PEAK/BUDGET" in ranks[0] and ranks[0].endswith("GRAPHS(DECODE/PIECEWISE)")
+    assert all(ln.split()[-1] == "-" for ln in ranks[1:])  # CPU ranks capture no CUDA graphs
 
     # A dry run asks the server and changes nothing; a refused one exits 1 with one line.
     r = oncall(a, "drain", "group", "0", "--dry-run")
@@ -107,3 +108,22 @@ def test_oncall_unreachable_and_unknown_runbook() -> None:
     assert {ln.split()[0] for ln in listing.splitlines()[1:]} == {
         p.stem for p in (ROOT / "runbooks").glob("*.md")
     }
+
+
+def test_ranks_table_shows_graph_replays_where_a_rank_has_graphs() -> None:
+    from safeserve.oncall.views import ranks_table
+
+    def rank(i: int, **extra: object) -> dict:
+        base = {"rank": i, "pid": 100 + i, "device": f"cuda:{i}", "step": 7, "phase": "idle"}
+        return base | {"heartbeat_age_s": 0.1, "utilization": 0.5, "memory_bytes": 2**30} | extra
+
+    group = {
+        "id": 0,
+        "ranks": [
+            rank(0, cuda_graph_replays=120, piecewise_graph_replays=7),
+            rank(1, cuda_graph_replays=None, piecewise_graph_replays=3),
+            rank(2),
+        ],
+    }
+    lines = ranks_table([group]).splitlines()
+    assert [ln.split()[-1] for ln in lines] == ["GRAPHS(DECODE/PIECEWISE)", "120/7", "-/3", "-"]
