@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
@@ -43,6 +43,19 @@ def graph_buckets(max_bs: int) -> list[int]:
         b += 8 if b < 64 else 16
     sizes.append(max_bs)
     return sizes
+
+
+def begin_bucket_step(dispatcher: Dispatcher | None, tokens: int, ranks: int) -> None:
+    """Before a forward that a graph captures (or its warm-up): every rank of the group holds
+    the bucket's `tokens` (replicated), as the step the graph will replay does."""
+    if dispatcher is not None:
+        dispatcher.begin_step(StepTokens([tokens] * ranks, replicated=True))
+
+
+def host_tape(dispatcher: Dispatcher | None) -> AbstractContextManager[list[Callable[[], None]]]:
+    """The dispatcher's host bookkeeping of the steps run inside, to run after each replay
+    (nothing to tape without a dispatcher)."""
+    return dispatcher.taping() if dispatcher is not None else nullcontext([])
 
 
 def smallest_bucket(buckets: list[int], n: int) -> int | None:
@@ -102,8 +115,7 @@ class DecodeCudaGraphs:
         )
 
     def _forward(self, bs: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if self.dispatcher is not None:
-            self.dispatcher.begin_step(StepTokens([bs] * self.ranks, replicated=True))
+        begin_bucket_step(self.dispatcher, bs, self.ranks)
         hidden = self.model(
             self.input_ids[:bs], self.positions[:bs], self._meta(bs), self.kv_layers
         )
@@ -122,9 +134,8 @@ class DecodeCudaGraphs:
                 self._forward(bs)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with d.taping() if d is not None else nullcontext([]) as tape:
-                with torch.cuda.graph(graph, pool=pool):
-                    out = self._forward(bs)
+            with host_tape(d) as tape, torch.cuda.graph(graph, pool=pool):
+                out = self._forward(bs)
             pool = graph.pool()
             self.graphs[bs] = graph
             self.outputs[bs] = out

@@ -30,14 +30,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 
 from safeserve.engine.attention import AttentionMetadata, attend
-from safeserve.engine.cuda_graph import smallest_bucket
-from safeserve.moe.dispatch.base import Dispatcher, StepTokens
+from safeserve.engine.cuda_graph import begin_bucket_step, host_tape, smallest_bucket
+from safeserve.moe.dispatch.base import Dispatcher
 
 logger = logging.getLogger(__name__)
 
@@ -96,8 +95,7 @@ class PiecewiseCudaGraphs:
 
     # -- capture ----------------------------------------------------------------------------------
     def _forward(self, bs: int, cut: Callable) -> torch.Tensor:
-        if self.dispatcher is not None:
-            self.dispatcher.begin_step(StepTokens([bs] * self.ranks, replicated=True))
+        begin_bucket_step(self.dispatcher, bs, self.ranks)
         meta = AttentionMetadata(self.static[2, :bs], [], cut=cut)
         return self.model(self.static[0, :bs], self.static[1, :bs], meta, self.kv_layers)
 
@@ -139,7 +137,7 @@ class PiecewiseCudaGraphs:
             # Compiles this size's kernels and settles allocations outside the capture.
             self._forward(bs, self._no_attention)
             torch.cuda.synchronize()
-            with d.taping() if d is not None else nullcontext([]) as tape:
+            with host_tape(d) as tape:
                 pieces, hidden = self._capture_bucket(bs, pool, stream)
             pool = pieces[0].graph.pool()
             self.pieces[bs] = pieces

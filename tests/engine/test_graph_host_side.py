@@ -10,7 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from safeserve.engine.cuda_graph import (
+    begin_bucket_step,
+    graph_buckets,
+    host_tape,
+    smallest_bucket,
+)
 from safeserve.engine.parallel import Comm, Layout
+from safeserve.engine.piecewise_graph import piecewise_buckets
 from safeserve.guards.admission import DispatchBuffers
 from safeserve.moe.dispatch import AllGatherDispatcher, CombineInput, DispatchOutput, StepTokens
 from safeserve.moe.eplb.balancedness import layer_balancedness
@@ -34,7 +41,7 @@ def _experts(d: DispatchOutput) -> CombineInput:
 
 
 def _step(d: AllGatherDispatcher, x: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
-    d.begin_step(StepTokens([TOKENS], replicated=True))
+    begin_bucket_step(d, TOKENS, 1)  # as both graph kinds begin a captured step
     return d.run(x, topk, _experts)
 
 
@@ -66,7 +73,7 @@ def test_replayed_tape_records_what_an_eager_step_records() -> None:
     torch.testing.assert_close(out, x * 2.0)
 
     taped = _dispatcher(budget)
-    with taped.taping() as tape:
+    with host_tape(taped) as tape:
         _step(taped, x, topk)  # its effects run once now (the capture's own step) ...
     taped.discard_step()
     taped.end_step()
@@ -88,9 +95,6 @@ def test_replayed_tape_records_what_an_eager_step_records() -> None:
 
 def test_graph_buckets_cover_every_size_once() -> None:
     """Every step size up to the largest bucket replays the smallest bucket that holds it."""
-    from safeserve.engine.cuda_graph import graph_buckets, smallest_bucket
-    from safeserve.engine.piecewise_graph import piecewise_buckets
-
     assert piecewise_buckets(2048)[:7] == [16, 32, 64, 128, 256, 384, 512]
     assert piecewise_buckets(2048)[-5:] == [1024, 1280, 1536, 1792, 2048]
     assert piecewise_buckets(100) == [16, 32, 64, 100] and piecewise_buckets(1) == [1]
