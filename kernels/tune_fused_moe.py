@@ -60,6 +60,20 @@ def _smem_ok(bm: int, k: mc.Config, n_b: int, elem: int = 2) -> bool:
 def gemm_space(plan: Plan, which: str) -> list[mc.Config]:
     """Candidate tiles for one kernel of one plan (pruned by shared memory)."""
     mode, bm = plan
+    if mode == "chunk":  # gemm1: slices of intermediate rows (always interleaved); gemm2: down
+        if which == "gemm1":
+            return [
+                {**_k(bi, bk, w, s, 1), "interleave": True}
+                for bi in (32, 64)
+                for bk in (128, 256)
+                for w in (4, 8)
+                for s in (3, 4, 5)
+                if mc.fit_config(_chunk(_k(bi, bk, w, s, 1), _k(128, 128, 4, 1)), 2, 8)["gemm1"][
+                    "num_stages"
+                ]
+                == s
+            ]
+        return [_k(bn, 128, w, 1, 1) for bn in (64, 128, 256) for w in (2, 4)]
     if bm == 16:
         bns = (16, 32, 64, 128)
         stages = (3, 4, 5, 6, 8) if mode.startswith("pair") else (3, 4, 5)
@@ -100,8 +114,18 @@ def gemm_space(plan: Plan, which: str) -> list[mc.Config]:
     return [k for k in space if _smem_ok(bm, k, n_b)]
 
 
+def _chunk(g1: mc.Config, g2: mc.Config) -> mc.Config:
+    return full(("chunk", 16), {**g1, "interleave": True}, g2)
+
+
 def default_kernel(plan: Plan, which: str) -> mc.Config:
     mode, bm = plan
+    if mode == "chunk":
+        return (
+            {**_k(64, 128, 4, 4, 1), "interleave": True}
+            if which == "gemm1"
+            else _k(128, 128, 4, 1, 1)
+        )
     if bm == 16:
         pair = mode.startswith("pair")
         return _k(32 if pair else 64, 256 if pair else 128, 4, 4)
@@ -117,6 +141,8 @@ def plans_for(num_tokens: int, top_k: int, num_experts: int) -> list[Plan]:
     plans: list[Plan] = []
     if num_tokens <= 16:
         plans.append(("pair", 16))
+    if num_tokens <= 8:
+        plans.append(("chunk", 16))
     if per_expert <= 24:
         plans.append(("sorted", 16))
     if 4 <= per_expert <= 80:

@@ -10,6 +10,12 @@ Two launch plans, picked per token count by the tuned config (`"mode"`):
   rows of one expert, applies SiLU-and-mul and the routing weight in its epilogue and writes the
   intermediate; a second grouped GEMM runs down and writes one row per pair; a last kernel sums
   the ``k`` rows of each token (skipping slots with id -1).
+* ``chunk`` (decode, one or two tokens): no sort, and gate/up and down in one launch. A program
+  takes one (token, slot) pair and one slice of ``gemm1.BLOCK_N`` intermediate rows: it runs
+  that slice's gate/up rows, SiLU-and-mul and routing weight, then multiplies the result by the
+  same slice's columns of down (``gemm2.BLOCK_N`` output columns per tile) and writes a float32
+  partial of the token's row. A second small launch sums each token's partials in a fixed order.
+  No program waits for another, so the routed weights stream in one launch instead of two.
 * ``pair`` (decode, a handful of tokens): no sort at all. Each (token, slot) pair is its own
   row tile for gate/up, and the down kernel loops over the ``k`` slots of one token inside one
   program, so the top-k sum happens in registers. Two launches in all. ``"split": n`` in
@@ -53,6 +59,7 @@ from safeserve.kernels.moe_align import moe_align
 from safeserve.kernels.moe_config import PAIR_MODES, Config, fit_config, get_config
 
 if HAS_TRITON:
+    from safeserve.kernels.fused_moe_chunk_kernels import _chunk_kernel, _chunk_sum_kernel
     from safeserve.kernels.fused_moe_kernels import (
         _down_pair_kernel,
         _down_sorted_kernel,
@@ -110,6 +117,18 @@ def fused_moe(
     return call.out
 
 
+# The chunk plan's sum: each program adds CHUNK_SUM_BLOCK_R partial rows at a time over
+# CHUNK_SUM_BLOCK_N output columns (small tiles: at one token the sum reads ~1.5-3 MB of L2 and
+# should be spread over many programs).
+CHUNK_SUM_BLOCK_R = 32
+CHUNK_SUM_BLOCK_N = 32
+
+
+def _chunk_slice(gemm1: Config) -> int:
+    """Intermediate rows per program in the chunk plan: `"slice"`, at most the tile's BLOCK_N."""
+    return min(int(gemm1.get("slice", gemm1["BLOCK_N"])), gemm1["BLOCK_N"])
+
+
 def _evict(gemm: Config) -> str:
     """`"evict_first": true` in a GEMM's config: its weight loads go first out of the caches."""
     return "evict_first" if gemm.get("evict_first") else ""
@@ -118,7 +137,9 @@ def _evict(gemm: Config) -> str:
 class MoeLaunch:
     """One `fused_moe` call split into its launches (align, gate/up, down, top-k sum).
 
-    `fused_moe` runs them in order; kernels/bench_fused_moe.py times them one by one.
+    `fused_moe` runs them in order; kernels/bench_fused_moe.py times them one by one. In the
+    chunk plan `gate_up` launches the kernel that runs gate/up and down, and `down` the sum of
+    the partials.
     """
 
     def __init__(
@@ -149,6 +170,7 @@ class MoeLaunch:
         self.ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
         self.route_w = topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous()
         self.pair_mode = self.cfg["mode"] in PAIR_MODES
+        self.chunk_mode = self.cfg["mode"] == "chunk"
         # float32 runs are correctness runs (checked against transformers to 1e-4): no tf32 there.
         self.dot_precision = "ieee" if self.dtype == torch.float32 else "tf32"
         self.pdl = pdl_supported(self.device)  # every launch a programmatic dependent
@@ -159,6 +181,12 @@ class MoeLaunch:
 
     def align(self) -> None:
         """Sort the pairs by expert (sorted plan) and size the intermediate buffer."""
+        if self.chunk_mode:  # float32 partials [slices, pairs, H] instead of an intermediate
+            slices = triton.cdiv(self.inter, _chunk_slice(self.cfg["gemm1"]))
+            self.cache = torch.empty(
+                slices, self.num_pairs, self.hidden, dtype=torch.float32, device=self.device
+            )
+            return
         if self.pair_mode:
             rows = self.num_pairs
         else:
@@ -173,6 +201,9 @@ class MoeLaunch:
     def gate_up(self) -> None:
         g1, cache = self.cfg["gemm1"], self.cache
         assert cache is not None, "align() first"
+        if self.chunk_mode:
+            self._chunk()
+            return
         grid = (self.num_blocks * triton.cdiv(self.inter, g1["BLOCK_N"]),)
         _gate_up_kernel[grid](
             self.x,
@@ -209,11 +240,70 @@ class MoeLaunch:
 
     def down(self) -> None:
         """The down projection, and the top-k sum (in registers for the pair plan)."""
-        if self.pair_mode:
+        if self.chunk_mode:
+            self._chunk_sum()
+        elif self.pair_mode:
             self._down_pair()
         else:
             self.down_sorted()
             self.sum_topk()
+
+    def _chunk(self) -> None:
+        g1, g2, part = self.cfg["gemm1"], self.cfg["gemm2"], self.cache
+        assert part is not None, "align() first"
+        slices = part.shape[0]
+        _chunk_kernel[(self.num_pairs * slices,)](
+            self.x,
+            self.w13,
+            self.w2,
+            self.route_w,
+            self.ids,
+            part,
+            self.num_pairs,
+            self.inter,
+            self.hidden,
+            self.x.stride(0),
+            self.w13.stride(0),
+            self.w13.stride(1),
+            self.w2.stride(0),
+            self.w2.stride(1),
+            self.w2.stride(2),
+            TOP_K=self.top_k,
+            BLOCK_M=16,
+            BLOCK_I=g1["BLOCK_N"],
+            BLOCK_K=g1["BLOCK_K"],
+            BLOCK_H=g2["BLOCK_N"],
+            SLICE=_chunk_slice(g1),
+            EVEN_K=self.hidden % g1["BLOCK_K"] == 0,
+            FULL_SLICES=_chunk_slice(g1) == g1["BLOCK_N"] and self.inter % g1["BLOCK_N"] == 0,
+            EVEN_H=self.hidden % g2["BLOCK_N"] == 0,
+            DOT_PRECISION=self.dot_precision,
+            USE_PDL=self.pdl,
+            B_EVICT=_evict(g1),
+            num_warps=g1["num_warps"],
+            num_stages=g1["num_stages"],
+            launch_pdl=self.pdl,
+        )
+
+    def _chunk_sum(self) -> None:
+        part = self.cache
+        assert part is not None, "align() first"
+        block_n = min(CHUNK_SUM_BLOCK_N, next_power_of_2(self.hidden))
+        _chunk_sum_kernel[(self.num_tokens, triton.cdiv(self.hidden, block_n))](
+            part,
+            self.ids,
+            self.out,
+            self.num_pairs,
+            part.shape[0],
+            self.hidden,
+            self.out.stride(0),
+            TOP_K=self.top_k,
+            BLOCK_R=CHUNK_SUM_BLOCK_R,
+            BLOCK_N=block_n,
+            USE_PDL=self.pdl,
+            num_warps=self.cfg["gemm2"]["num_warps"],
+            launch_pdl=self.pdl,
+        )
 
     def _down_pair(self) -> None:
         g2, cache, w2, out = self.cfg["gemm2"], self.cache, self.w2, self.out

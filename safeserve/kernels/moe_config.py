@@ -70,7 +70,7 @@ class ConfigTableError(ValueError):
 _POW2_TILES = (16, 32, 64, 128, 256, 512)
 _ENTRY_KEYS = {"mode", "BLOCK_M", "gemm1", "gemm2", "pdl", "tuned_us"}
 _GEMM_KEYS = {"BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"}
-_GEMM_OPTIONS = {"interleave", "split", "evict_first"}
+_GEMM_OPTIONS = {"interleave", "split", "evict_first", "slice"}
 
 
 def check_config(cfg: Config, where: str) -> None:
@@ -86,8 +86,8 @@ def check_config(cfg: Config, where: str) -> None:
     unknown = set(cfg) - _ENTRY_KEYS
     if unknown:
         raise bad(f"unknown keys {sorted(unknown)} (known: {sorted(_ENTRY_KEYS)})")
-    if cfg.get("mode") not in (*PAIR_MODES, "sorted"):
-        raise bad(f"mode {cfg.get('mode')!r} is not 'pair' or 'sorted'")
+    if cfg.get("mode") not in PLANS:
+        raise bad(f"mode {cfg.get('mode')!r} is not one of {list(PLANS)}")
     if cfg.get("BLOCK_M") not in _POW2_TILES:
         raise bad(f"BLOCK_M {cfg.get('BLOCK_M')!r} is not one of {_POW2_TILES}")
     if cfg.get("pdl", False) not in (False, True, "wait"):
@@ -108,9 +108,10 @@ def check_config(cfg: Config, where: str) -> None:
             raise bad(f"{name}.num_stages {k.get('num_stages')!r} is not 1..8")
         if not isinstance(k.get("GROUP_M", 1), int) or k.get("GROUP_M", 1) < 1:
             raise bad(f"{name}.GROUP_M {k.get('GROUP_M')!r} is not a positive integer")
-        split = k.get("split", 1)
-        if not isinstance(split, int) or split < 1:
-            raise bad(f"{name}.split {split!r} is not a positive integer")
+        for opt in ("split", "slice"):
+            v = k.get(opt, 1)
+            if not isinstance(v, int) or v < 1:
+                raise bad(f"{name}.{opt} {v!r} is not a positive integer")
 
 
 @functools.lru_cache(maxsize=64)
@@ -178,6 +179,11 @@ def get_config(
 
 # Plans with one row per (token, slot) pair and no sort; valid for top_k <= 64.
 PAIR_MODES = ("pair",)
+# Every plan (safeserve.kernels.fused_moe says what each does). In "chunk" gemm1's BLOCK_N is the
+# tile of intermediate rows per program ("slice": n uses only the first n of them, so there are
+# more programs), its warps and stages are the launch's; gemm2's BLOCK_N is the down tile's
+# output width and its num_warps the partial sum's.
+PLANS = (*PAIR_MODES, "chunk", "sorted")
 
 
 def fit_config(cfg: Config, elem_size: int, top_k: int) -> Config:
@@ -196,6 +202,9 @@ def fit_config(cfg: Config, elem_size: int, top_k: int) -> Config:
     # has its programs prefetch their weights into L2 before they wait. "wait" and false: no
     # prefetch (the keys of tables tuned when only the down kernel could be a dependent launch).
     out["pdl_prefetch"] = cfg.get("pdl", False) is True and out["mode"] == "pair"
+    if out["mode"] == "chunk":
+        _fit_chunk(out, elem_size)
+        return out
     for name, n_b in (("gemm1", 2), ("gemm2", 1)):
         k = out[name]
         while True:
@@ -209,3 +218,24 @@ def fit_config(cfg: Config, elem_size: int, top_k: int) -> Config:
             else:
                 break
     return out
+
+
+def _fit_chunk(cfg: Config, elem_size: int) -> None:
+    """The chunk plan's one launch pipelines both its loops with gemm1's stages: the gate/up
+    tiles (16 x BLOCK_K of x, BLOCK_K x 2 BLOCK_N of w13), then the down tiles (BLOCK_N x
+    gemm2.BLOCK_N of w2). The loops run one after the other, so Triton gives both the same
+    shared memory: the larger must fit."""
+    g1, g2 = cfg["gemm1"], cfg["gemm2"]
+    while True:
+        up = (16 + 2 * g1["BLOCK_N"]) * g1["BLOCK_K"]
+        down = (16 + g2["BLOCK_N"]) * g1["BLOCK_N"]
+        if max(up, down) * elem_size * g1["num_stages"] <= SMEM_BUDGET:
+            return
+        if g1["num_stages"] > 2:
+            g1["num_stages"] -= 1
+        elif g1["BLOCK_K"] > 32:
+            g1["BLOCK_K"] //= 2
+        elif g2["BLOCK_N"] > 32:
+            g2["BLOCK_N"] //= 2
+        else:
+            return

@@ -189,6 +189,7 @@ def test_shipped_config_files_are_valid() -> None:
         (lambda c: c.update(mode="gemv"), "mode 'gemv'"),
         (lambda c: c["gemm1"].update(num_warps=3), "gemm1.num_warps 3"),
         (lambda c: c.pop("gemm2"), "gemm2 is missing"),
+        (lambda c: c["gemm1"].update(slice=0), "gemm1.slice 0 is not a positive integer"),
     ],
 )
 def test_bad_config_table_is_refused_naming_the_entry(tmp_path: Path, edit, message) -> None:
@@ -244,15 +245,23 @@ def test_cpu_fallback_matches_reference() -> None:
 
 
 def _forced(mode: str, block_m: int) -> mc.Config:
-    """mode: "pair" or "sorted", then "+i" for the interleaved gate/up tile, "+sN" for the down
-    projection's slots shared by N programs (pair plan) and "+e" for evict-first weight loads."""
+    """mode: "pair", "chunk" or "sorted", then "+i" for the interleaved gate/up tile, "+sN" for
+    the down projection's slots shared by N programs (pair plan) and "+e" for evict-first weight
+    loads. The chunk plan: 16-row tiles of intermediate rows, down tiles 16 columns wide, and
+    "+cN" for slices of N rows."""
     name, *opts = mode.split("+")
     split = next((int(o[1:]) for o in opts if o.startswith("s")), 1)
+    chunk_slice = next((int(o[1:]) for o in opts if o.startswith("c")), 16)
     evict = "e" in opts  # weight loads evict-first
     return {
         "mode": name,
         "BLOCK_M": block_m,
-        "gemm1": {**mc.kcfg(16, 32, 2, 4, 2), "interleave": "i" in opts, "evict_first": evict},
+        "gemm1": {
+            **mc.kcfg(16, 32, 2, 4, 2),
+            "interleave": "i" in opts,
+            "evict_first": evict,
+            "slice": chunk_slice,
+        },
         "gemm2": {**mc.kcfg(16, 32, 2, 4, 2), "split": split, "evict_first": evict},
     }
 
@@ -268,6 +277,10 @@ def _forced(mode: str, block_m: int) -> mc.Config:
         (2, 10, 64, 48, 4, "pair+s4", 16, 0.0),
         (2, 10, 64, 48, 4, "pair+i+s2+e", 16, 0.2),
         (1, 10, 64, 48, 8, "pair+s3", 16, 0.5),
+        (1, 8, 64, 32, 2, "chunk", 16, 0.0),
+        (3, 10, 40, 40, 3, "chunk+e", 16, 0.3),  # I, H and K not multiples of their tiles
+        (2, 10, 64, 48, 8, "chunk", 16, 0.5),
+        (2, 10, 64, 40, 3, "chunk+c12", 16, 0.2),  # slices of 12 rows in 16-row tiles
         (5, 10, 64, 48, 3, "sorted", 16, 0.3),
         (40, 7, 48, 40, 2, "sorted", 32, 0.0),
         (40, 7, 48, 40, 2, "sorted+i", 32, 0.0),
@@ -341,6 +354,21 @@ def _pdl_wait_config(experts: int, top_k: int) -> mc.Config:
     return {**config, "pdl": "wait", "gemm1": g1, "gemm2": g2}
 
 
+def _chunk_config(block_i: int, block_h: int = 256, chunk_slice: int | None = None) -> mc.Config:
+    """The chunk plan: tiles of block_i intermediate rows (slices of chunk_slice of them), down
+    tiles block_h columns wide."""
+    return {
+        "mode": "chunk",
+        "BLOCK_M": 16,
+        "gemm1": {
+            **mc.kcfg(block_i, 128, 1, 4, 4),
+            "interleave": True,
+            "slice": chunk_slice or block_i,
+        },
+        "gemm2": mc.kcfg(block_h, 128, 1, 4, 1),
+    }
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"T{c[0]}-E{c[1]}-H{c[2]}-I{c[3]}")
@@ -354,6 +382,9 @@ def _pdl_wait_config(experts: int, top_k: int) -> mc.Config:
         "pair_split3",
         "pair_split8",
         "pair_pdl_wait",
+        "chunk16",
+        "chunk32",
+        "chunk64/48",
         "sorted16",
         "sorted64",
         "sorted64_i",
@@ -362,8 +393,8 @@ def _pdl_wait_config(experts: int, top_k: int) -> mc.Config:
 )
 def test_gpu_fused_moe_matches_reference(case, mode: str) -> None:
     tokens, experts, hidden, inter, top_k, dtype, drop = case
-    if mode.startswith("pair") and tokens > 300:
-        pytest.skip("the pair plan is for a few tokens")
+    if mode.startswith(("pair", "chunk")) and tokens > 300:
+        pytest.skip("the pair and chunk plans are for a few tokens")
     seed = int(torch.randint(0, 2**31 - 1, (1,)))  # fresh inputs every run
     x, w13, w2, weights, ids = _problem(
         tokens, experts, hidden, inter, top_k, dtype, "cuda", seed, drop
@@ -376,6 +407,9 @@ def test_gpu_fused_moe_matches_reference(case, mode: str) -> None:
         config = {**config, "gemm2": {**config["gemm2"], "split": split}}
     elif mode == "pair_pdl_wait":
         config = _pdl_wait_config(experts, top_k)
+    elif mode.startswith("chunk"):
+        block_i, _, chunk_slice = mode.removeprefix("chunk").partition("/")
+        config = _chunk_config(int(block_i), chunk_slice=int(chunk_slice or block_i))
     elif mode.startswith("pair"):
         config = {**mc.default_config(1, experts, top_k), "pdl": mode == "pair_pdl"}
     else:
@@ -416,6 +450,9 @@ def test_gpu_all_slots_dropped_gives_zeros() -> None:
         (2, "pair_split8"),
         (1, "pair_pdl_wait"),
         (3, "pair_pdl_wait"),
+        (1, "chunk16"),
+        (2, "chunk32"),
+        (1, "chunk64/48"),
         (16, "auto"),
         (4096, "auto"),
     ],
@@ -429,6 +466,9 @@ def test_gpu_cuda_graph_replay(tokens: int, plan: str) -> None:
         config = {**mc.default_config(1, 128, 8), "pdl": True}
     elif plan == "pair_pdl_wait":
         config = _pdl_wait_config(128, 8)
+    elif plan.startswith("chunk"):
+        block_i, _, chunk_slice = plan.removeprefix("chunk").partition("/")
+        config = _chunk_config(int(block_i), chunk_slice=int(chunk_slice or block_i))
     elif plan.startswith("pair_split"):
         config = mc.default_config(1, 128, 8)
         split = int(plan.removeprefix("pair_split"))
