@@ -4,7 +4,8 @@ One process per GPU (NCCL), each rank the engine's own `ModelRunner` with the se
 here (default: Qwen3-30B-A3B shapes, dummy bf16 weights, `--tp-size 2 --ep-size 2
 --moe-a2a-backend none`). Per concurrency B: B prompts of `--input-len` tokens are prefilled,
 then `--steps` decode steps of all B run in lock-step on every rank, first eagerly, then (after
-the same runners capture their graphs) as CUDA graph replays. A step is timed on the leader from
+the same runners capture their graphs) as CUDA graph replays: decode graphs where the layout has
+them, else (`--moe-a2a-backend alltoall`) piecewise graphs with each MoE dispatch eager. A step is timed on the leader from
 its plan to its sampled tokens on the host. Decode inputs are fixed pseudo-random token ids
 (identical on every rank, as the leader's plan broadcast makes them), not the sampled ones:
 every rank must hold the same plan without a broadcast in the timed loop.
@@ -73,6 +74,11 @@ def _timed_decode(
     return times, step
 
 
+def _replays(runner: ModelRunner) -> list[int]:
+    """[decode graph replays, piecewise graph replays] so far (0 for a kind not captured)."""
+    return [g.replays if g is not None else 0 for g in (runner.cuda_graphs, runner.piecewise)]
+
+
 def _worker(rank: int, port: int, opts: argparse.Namespace, q: mp.Queue) -> None:
     try:
         args = ServerArgs(
@@ -89,15 +95,16 @@ def _worker(rank: int, port: int, opts: argparse.Namespace, q: mp.Queue) -> None
         runner = ModelRunner(args, rank, f"tcp://127.0.0.1:{port}", capture_cuda_graphs=False)
         rows = []
         step = 1
-        for mode in ("eager", "graphs") if opts.device == "cuda" else ("eager",):
+        modes = ("eager", "graphs") if opts.device == "cuda" else ("eager",)
+        for mode in modes:
             if mode == "graphs":
                 t0 = time.perf_counter()
                 runner.capture_cuda_graphs()
                 if rank == 0:
                     print(f"captured in {time.perf_counter() - t0:.1f} s", flush=True)
-                if runner.cuda_graphs is None:
+                if runner.cuda_graphs is None and runner.piecewise is None:
                     raise RuntimeError("no CUDA graphs for this layout")
-                replays0 = runner.cuda_graphs.replays
+                replays0 = _replays(runner)
             for batch in opts.concurrency:
                 times, step = _timed_decode(runner, batch, opts.input_len, opts.steps, step)
                 row = {
@@ -114,7 +121,11 @@ def _worker(rank: int, port: int, opts: argparse.Namespace, q: mp.Queue) -> None
                         f"(p10 {row['step_ms_p10']:.2f}, p90 {row['step_ms_p90']:.2f})",
                         flush=True,
                     )
-        replays = runner.cuda_graphs.replays - replays0 if runner.cuda_graphs else 0
+        replays = (
+            [a - b for a, b in zip(_replays(runner), replays0, strict=True)]
+            if "graphs" in modes
+            else []
+        )
         q.put((rank, {"rows": rows, "replays": replays}))
         runner.comm.shutdown()
     except Exception as e:  # reported, then the parent stops every rank
@@ -174,7 +185,7 @@ def main() -> None:
                 f"{eager[c] / r['step_ms_median']:.2f}× |"
             )
     replays = {rank: res["replays"] for rank, res in results.items()}
-    print(f"graph replays per rank: {replays}")
+    print(f"graph replays per rank [decode, piecewise]: {replays}")
     if opts.json:
         opts.json.write_text(
             json.dumps(

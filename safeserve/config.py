@@ -122,8 +122,8 @@ class ServerArgs:
         64,
         "Largest decode batch run as a CUDA graph (graphs are captured at start-up for batch "
         "sizes 1, 2, 4, 8, 16, ... up to this; larger batches run as piecewise graphs up to "
-        "--cuda-graph-max-tokens, eagerly beyond). Groups of one rank, "
-        "and tensor-parallel attention with --moe-a2a-backend none; alltoall and "
+        "--cuda-graph-max-tokens, eagerly beyond). Groups of one rank, and tensor-parallel "
+        "attention (inside a graph --moe-a2a-backend alltoall dispatches as none does); "
         "--enable-dp-attention groups decode eagerly.",
         "performance",
     )

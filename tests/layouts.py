@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -97,20 +99,14 @@ def run_layout(
     """{(seq, position): logits row} from a real group of processes; `replays` (if given) gets
     each rank's (decode, piecewise) CUDA graph replays (None where the rank captured none)."""
     layout = LAYOUTS[name]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    init = f"tcp://127.0.0.1:{port}"
-    procs = [
-        ctx.Process(
-            target=_rank_main, args=(device, str(model), layout, r, init, seqs, chunks, queue)
-        )
-        for r in range(layout[0])
-    ]
-    for p in procs:
-        p.start()
     out, done = {}, 0
-    try:
-        while done < len(procs):
+    with _group(
+        layout[0],
+        port,
+        _rank_main,
+        lambda r, init, q: (device, str(model), layout, r, init, seqs, chunks, q),
+    ) as queue:
+        while done < layout[0]:
             a, b, c = queue.get(timeout=180)
             if a == "error":
                 raise RuntimeError(f"rank {b} failed:\n{c}")
@@ -120,10 +116,73 @@ def run_layout(
                     replays[b] = c
                 continue
             out[(a, b)] = torch.tensor(c)
+    return out
+
+
+@contextmanager
+def _group(world: int, port: int, target, args) -> Iterator[mp.Queue]:  # type: ignore[no-untyped-def]
+    """`world` spawned processes running target(*args(rank, init, queue)), rendezvous on
+    `port`; yields the queue they report to, and stops every one of them on the way out."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    init = f"tcp://127.0.0.1:{port}"
+    procs = [ctx.Process(target=target, args=args(r, init, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        yield queue
     finally:
         for p in procs:
             p.join(10)
             if p.is_alive():
                 p.kill()
                 p.join()
+
+
+def _dispatch_rank_main(rank: int, world: int, init: str, queue: mp.Queue) -> None:
+    """One rank of `run_alltoall_both_ways`: the same routed step through the alltoall backend
+    as an eager step and as a step a CUDA graph would capture (no graph on CPU: the same calls)."""
+    try:
+        from safeserve.engine.parallel import Comm, Layout
+        from safeserve.moe.dispatch import AllToAllDispatcher, CombineInput, StepTokens
+        from safeserve.moe.placement import ExpertPlacement
+        from safeserve.moe.topk import TopKOutput
+
+        experts, top_k, hidden, tokens = 8, 3, 16, 7
+        comm = Comm(Layout(rank, world, world), torch.device("cpu"))
+        comm.init(init)
+        placement = ExpertPlacement(experts, world, rank)
+        d = AllToAllDispatcher(placement, comm)
+        gen = torch.Generator().manual_seed(11)  # the same tokens on every rank (replicated)
+        x = torch.randn(tokens, hidden, generator=gen)
+        ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+        w = torch.rand(tokens, top_k, generator=gen)
+        topk = TopKOutput(ids, w, torch.zeros(tokens, experts))
+
+        def run_experts(out):  # type: ignore[no-untyped-def]
+            # expert p scales its rows by p + 1: the sum tells which experts ran, and how often
+            local = out.topk_ids
+            scale = torch.where(local >= 0, local + placement.local_start + 1, 0).to(x.dtype)
+            return CombineInput(out.hidden_states * (out.topk_weights * scale).sum(1, True))
+
+        results = {}
+        for graph in (False, True):
+            d.begin_step(StepTokens([tokens] * world, replicated=True, graph=graph))
+            y = d.run(x, topk, run_experts)
+            d.end_step()
+            results[graph] = (y.tolist(), d.last_count_matrix.tolist(), d.balance.passes)
+        expected = x * (w * (ids + 1).to(x.dtype)).sum(1, True)
+        queue.put((rank, results, expected.tolist()))
+        comm.shutdown()
+    except Exception:
+        queue.put((rank, "error", traceback.format_exc()))
+
+
+def run_alltoall_both_ways(world: int, port: int) -> list[tuple]:
+    """(rank, {graph: (output, count matrix, passes)}, expected output) from every rank."""
+    with _group(world, port, _dispatch_rank_main, lambda r, init, q: (r, world, init, q)) as queue:
+        out = [queue.get(timeout=120) for _ in range(world)]
+    for rank, res, tb in out:
+        if res == "error":
+            raise RuntimeError(f"rank {rank} failed:\n{tb}")
     return out

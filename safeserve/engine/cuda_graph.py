@@ -9,8 +9,9 @@ and attend to nothing. The graph also computes the logits and their argmax, so a
 costs one replay and one small device-to-host copy. Everything inside the forward must be
 capture-safe (no host sync): on CUDA that is the Triton fused MoE, top-k and decode-attention
 path, and with more than one rank the NCCL all-reduces of tensor-parallel attention and of the
-`none` backend (the `alltoall` backend needs its split sizes on the host, and attention
-data-parallel gathers rows of sizes that vary per step: those groups decode eagerly).
+`none` backend. The `alltoall` backend needs its split sizes on the host: inside a graph it
+dispatches as `none` does (moe/dispatch/alltoall.py). Attention data-parallel gathers rows of
+sizes that vary per step: those groups decode eagerly.
 
 Every rank of a group captures the same buckets in the same order, and replays the same bucket
 in a step (every rank holds the same plan), so the collectives inside match. Ranks that do not
@@ -49,7 +50,7 @@ def begin_bucket_step(dispatcher: Dispatcher | None, tokens: int, ranks: int) ->
     """Before a forward that a graph captures (or its warm-up): every rank of the group holds
     the bucket's `tokens` (replicated), as the step the graph will replay does."""
     if dispatcher is not None:
-        dispatcher.begin_step(StepTokens([tokens] * ranks, replicated=True))
+        dispatcher.begin_step(StepTokens([tokens] * ranks, replicated=True, graph=True))
 
 
 def host_tape(dispatcher: Dispatcher | None) -> AbstractContextManager[list[Callable[[], None]]]:

@@ -268,7 +268,7 @@ def warm_up_sizes(largest: int, compiles: bool) -> list[int]:
     which Triton compiles apart), and `largest`. What a kernel's variant depends on grows
     monotonically with the step's token count (tile configs keyed by powers of two, the
     heuristic's size classes, block sizes rounded up to a power of two), so a prefill at each
-    doubling reaches every variant; eager decode batches (alltoall and DP-attention groups)
+    doubling reaches every variant; eager decode batches (DP-attention groups)
     have the same token counts."""
     if not compiles:
         return [min(3, largest)] if largest >= 1 else []

@@ -105,13 +105,12 @@ class ModelRunner:
     def graphs_possible(self) -> bool:
         """Whether this group's steps can be CUDA graphs (decode: engine/cuda_graph.py; prefill
         and mixed: engine/piecewise_graph.py): CUDA, not disabled, and one rank or
-        tensor-parallel attention with the `none` backend."""
+        tensor-parallel attention (the `alltoall` backend then dispatches those steps as `none`
+        does: moe/dispatch/alltoall.py)."""
         args, layout = self.args, self.layout
         if self.device.type != "cuda" or args.disable_cuda_graph:
             return False
-        return layout.tp_size == 1 or (
-            not layout.dp_attention and (self.dispatcher is None or args.moe_a2a_backend == "none")
-        )
+        return layout.tp_size == 1 or not layout.dp_attention
 
     def capture_cuda_graphs(self) -> None:
         """Decode steps as CUDA graphs, then prefill and mixed steps as piecewise ones; each

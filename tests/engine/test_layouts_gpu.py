@@ -28,12 +28,12 @@ def test_layout_logits_on_gpus(checkpoint: Path, name: str) -> None:
     chunks = [4, 5, 1, 1, 1, 3, 1]  # the one-token steps are decode steps
     got = run_layout(checkpoint, name, seqs, chunks, free_port(), device="cuda", replays=replays)
     assert got
-    # Tensor-parallel attention with the `none` backend runs its steps through CUDA graphs on
-    # every rank (NCCL inside the graph): the decode steps at positions 9, 10 and 11 as decode
-    # graphs, the chunks of 4, 5 and 3 as piecewise graphs (the last, empty step eagerly).
-    # alltoall and DP-attention groups run eagerly.
-    _, _, backend, dp = LAYOUTS[name]
-    if backend == "none" and not dp:
+    # Tensor-parallel attention runs its steps through CUDA graphs on every rank (NCCL inside
+    # the graph; the alltoall backend dispatches there as `none` does): the decode steps at
+    # positions 9, 10 and 11 as decode graphs, the chunks of 4, 5 and 3 as piecewise graphs (the
+    # last, empty step eagerly). DP-attention groups run eagerly.
+    _, _, _, dp = LAYOUTS[name]
+    if not dp:
         assert replays == {0: (3, 3), 1: (3, 3)}
     else:
         assert replays == {0: (None, None), 1: (None, None)}

@@ -1,5 +1,6 @@
-"""The server on CUDA: one rank, a 2-rank alltoall group with attention data-parallel, and a
-2-rank tensor-parallel group with the `none` backend (decoding through CUDA graphs)."""
+"""The server on CUDA: one rank, a 2-rank alltoall group with attention data-parallel (eager),
+and 2-rank tensor-parallel groups with the `none` and the `alltoall` backend (decoding through
+CUDA graphs; alltoall dispatches as `none` inside them)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ pytestmark = pytest.mark.gpu
         [],
         ["--tp-size", "2", "--moe-a2a-backend", "alltoall", "--enable-dp-attention"],
         ["--tp-size", "2", "--ep-size", "2", "--moe-a2a-backend", "none"],
+        ["--tp-size", "2", "--ep-size", "2", "--moe-a2a-backend", "alltoall"],
     ],
 )
 def test_serves_on_cuda_and_matches_float32_single_rank(server_factory, checkpoint, layout) -> None:
@@ -45,18 +47,17 @@ def test_serves_on_cuda_and_matches_float32_single_rank(server_factory, checkpoi
         outs[name] = r.json()["choices"][0]["token_ids"]
         if extra is not None:
             # The first token comes from the prefill, each other one from a decode step: a CUDA
-            # graph replay on every rank, except in the alltoall group (its split sizes go
-            # through the host). Heartbeats carry the count, so wait for the last one.
+            # graph replay on every rank, except in the DP-attention group (each rank holds
+            # rows of its own count). Heartbeats carry the count, so wait for the last one.
             decode_steps = len(outs[name]) - 1
-            want = (
-                [None] * len(before) if "alltoall" in layout else [n + decode_steps for n in before]
-            )
+            eager = "--enable-dp-attention" in layout
+            want = [None] * len(before) if eager else [n + decode_steps for n in before]
             deadline = time.monotonic() + 10
             while (after := _replays(s)) != want and time.monotonic() < deadline:
                 time.sleep(0.2)
             assert after == want and decode_steps > 0
-            # The prompt's prefill: one piecewise replay per rank (none in the alltoall group).
-            pw = [None] * len(before) if "alltoall" in layout else [n + 1 for n in before_pw]
+            # The prompt's prefill: one piecewise replay per rank (none in the DP group).
+            pw = [None] * len(before) if eager else [n + 1 for n in before_pw]
             assert _piecewise(s) == pw
     assert outs["gpu"] == outs["cpu-ref"]
 

@@ -6,17 +6,27 @@ Before tokens move, ranks all-gather their per-destination counts into the count
 rank's expert sums back, where they are added up per token. With tensor-parallel attention
 (tokens on every rank) each rank dispatches its own share of the tokens and the results are
 all-gathered afterwards. Needs `ep_size == tp_size`.
+
+A step that a CUDA graph captures (`StepTokens.graph`: decode steps, and prefill or mixed steps
+up to --cuda-graph-max-tokens, with tensor-parallel attention) cannot size its all-to-all from
+counts read on the host. There the backend works as `none` does (it is its subclass): every rank
+already holds the step's tokens, runs its own experts on them (the fused MoE skips the pairs
+whose experts live elsewhere, so each (token, expert) pair is still computed once, on its
+expert's rank) and an all-reduce sums the ranks' parts. No host sync, fixed shapes. Eager steps,
+the large ones that the all-to-all's smaller transfers are for, keep the all-to-all.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from safeserve.engine.parallel import Comm
 from safeserve.guards.admission import plan_rounds
-from safeserve.moe.dispatch.base import CombineInput, Dispatcher, DispatchOutput, recv_views
+from safeserve.moe.dispatch.allgather import AllGatherDispatcher
+from safeserve.moe.dispatch.base import CombineInput, DispatchOutput, recv_views
 from safeserve.moe.placement import ExpertPlacement
 from safeserve.moe.topk import TopKOutput
 
@@ -37,21 +47,26 @@ class _State:
     shares: list[int] | None  # per-rank shares when tokens were replicated
 
 
-class AllToAllDispatcher(Dispatcher):
+class AllToAllDispatcher(AllGatherDispatcher):
     def __init__(self, placement: ExpertPlacement, comm: Comm) -> None:
         if placement.ep_size != comm.world:
             raise ValueError("alltoall needs ep_size == tp_size")
-        self.placement = placement
-        self.comm = comm
+        super().__init__(placement, comm)
+
+    # A graph-captured step runs the `none` backend's methods (their state is not a _State).
+    def _gathered(self, state: object) -> bool:
+        return not isinstance(state, _State)
 
     def _share(self, num_tokens: int) -> list[int]:
         world = self.comm.world
         base, extra = divmod(num_tokens, world)
         return [base + (1 if r < extra else 0) for r in range(world)]
 
-    def prepare(self, hidden_states: torch.Tensor, topk: TopKOutput) -> _State:
+    def prepare(self, hidden_states: torch.Tensor, topk: TopKOutput) -> Any:
         step = self.step
         assert step is not None, "begin_step() first"
+        if step.graph and step.replicated:
+            return super().prepare(hidden_states, topk)
         rank, world = self.comm.layout.rank, self.comm.world
         ids, weights = topk.topk_ids, topk.topk_weights
         shares = None
@@ -106,8 +121,8 @@ class AllToAllDispatcher(Dispatcher):
             shares,
         )
 
-    def num_rounds(self, state: _State) -> int:
-        return len(state.rounds)
+    def num_rounds(self, state: Any) -> int:
+        return super().num_rounds(state) if self._gathered(state) else len(state.rounds)
 
     def _round_rows(
         self, state: _State, round_index: int
@@ -127,7 +142,9 @@ class AllToAllDispatcher(Dispatcher):
         ]
         return torch.cat(pieces), send_splits, recv_splits
 
-    def dispatch(self, state: _State, round_index: int) -> DispatchOutput:
+    def dispatch(self, state: Any, round_index: int) -> DispatchOutput:
+        if self._gathered(state):
+            return super().dispatch(state, round_index)
         idx, send_splits, recv_splits = self._round_rows(state, round_index)
         x = state.send_x if idx is None else state.send_x[idx]
         meta = state.send_meta if idx is None else state.send_meta[idx]
@@ -139,7 +156,10 @@ class AllToAllDispatcher(Dispatcher):
             recv_x, recv_meta[:, k:].to(torch.int64), recv_meta[:, :k].to(state.dtype), round_index
         )
 
-    def combine(self, state: _State, round_index: int, combine_input: CombineInput) -> None:
+    def combine(self, state: Any, round_index: int, combine_input: CombineInput) -> None:
+        if self._gathered(state):
+            super().combine(state, round_index, combine_input)
+            return
         idx, send_splits, recv_splits = self._round_rows(state, round_index)
         if idx is None:
             self.comm.all_to_all(
@@ -150,7 +170,9 @@ class AllToAllDispatcher(Dispatcher):
             combine_input.hidden_states, recv_splits, send_splits
         )
 
-    def finish(self, state: _State) -> torch.Tensor:
+    def finish(self, state: Any) -> torch.Tensor:
+        if self._gathered(state):
+            return super().finish(state)
         world = self.comm.world
         total = state.back.shape[0] - 1
         slot = torch.full(

@@ -49,11 +49,13 @@ class StepTokens:
     """How this step's tokens sit on the group's ranks; the model runner sets it every step.
 
     `replicated`: every rank holds the same tokens (tensor-parallel attention); otherwise rank r
-    holds its own `per_rank[r]` tokens (attention data-parallel).
+    holds its own `per_rank[r]` tokens (attention data-parallel). `graph`: a CUDA graph captures
+    the step, so the dispatch must not read anything on the host.
     """
 
     per_rank: list[int]
     replicated: bool
+    graph: bool = False
 
 
 Experts = Callable[[DispatchOutput], CombineInput]
