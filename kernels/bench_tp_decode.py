@@ -2,11 +2,12 @@
 
 One process per GPU (NCCL), each rank the engine's own `ModelRunner` with the serve flags given
 here (default: Qwen3-30B-A3B shapes, dummy bf16 weights, `--tp-size 2 --ep-size 2
---moe-a2a-backend none`). Per concurrency B: B prompts of `--input-len` tokens are prefilled,
-then `--steps` decode steps of all B run in lock-step on every rank, first eagerly, then (after
-the same runners capture their graphs) as CUDA graph replays: decode graphs where the layout has
-them, else (`--moe-a2a-backend alltoall`) piecewise graphs with each MoE dispatch eager. A step is timed on the leader from
-its plan to its sampled tokens on the host. Decode inputs are fixed pseudo-random token ids
+--moe-a2a-backend none`; `--enable-dp-attention` spreads the sequences round-robin over the
+ranks). Per concurrency B: B prompts of `--input-len` tokens are prefilled, then `--steps`
+decode steps of all B run in lock-step on every rank, first eagerly, then (after the same
+runners capture their graphs) as CUDA graph replays (decode graphs, or piecewise ones where a
+step falls outside them; both are counted). A step is timed on the leader from its plan to its
+sampled tokens on the host. Decode inputs are fixed pseudo-random token ids
 (identical on every rank, as the leader's plan broadcast makes them), not the sampled ones:
 every rank must hold the same plan without a broadcast in the timed loop.
 
@@ -41,6 +42,14 @@ def _token(step: int, i: int, vocab: int) -> int:
     return (step * 7919 + i * 104729) % vocab
 
 
+def _split(runner: ModelRunner, seqs: list[SeqPlan]) -> list[list[SeqPlan]]:
+    """The step's sequences per attention rank: all on one list (tensor-parallel attention),
+    or round-robin over the ranks (data-parallel; each rank keeps its own KV cache, so the
+    same block numbers on two ranks are different blocks)."""
+    dp = runner.layout.dp_size
+    return [seqs[r::dp] for r in range(dp)]
+
+
 def _timed_decode(
     runner: ModelRunner, batch: int, input_len: int, steps: int, step0: int
 ) -> tuple[list[float], int]:
@@ -57,7 +66,7 @@ def _timed_decode(
             SeqPlan([_token(0, i + j, vocab) for j in range(input_len)], 0, tables[i], params, 0)
             for i in range(lo, min(batch, lo + per_step))
         ]
-        runner.execute(StepPlan(step=step, per_rank=[seqs]))
+        runner.execute(StepPlan(step=step, per_rank=_split(runner, seqs)))
         step += 1
     times: list[float] = []
     for j in range(steps + 4):  # the first 4 are not timed
@@ -67,7 +76,7 @@ def _timed_decode(
             for i in range(batch)
         ]
         t0 = time.perf_counter()
-        runner.execute(StepPlan(step=step, per_rank=[seqs]))
+        runner.execute(StepPlan(step=step, per_rank=_split(runner, seqs)))
         if j >= 4:
             times.append(time.perf_counter() - t0)
         step += 1
@@ -89,7 +98,7 @@ def _worker(rank: int, port: int, opts: argparse.Namespace, q: mp.Queue) -> None
             tp_size=opts.tp_size,
             ep_size=opts.ep_size,
             moe_a2a_backend=opts.moe_a2a_backend,
-            enable_dp_attention=False,
+            enable_dp_attention=opts.enable_dp_attention,
             max_running_requests=max(opts.concurrency),
         )
         runner = ModelRunner(args, rank, f"tcp://127.0.0.1:{port}", capture_cuda_graphs=False)
@@ -142,6 +151,7 @@ def main() -> None:
     p.add_argument("--tp-size", type=int, default=2)
     p.add_argument("--ep-size", type=int, default=2)
     p.add_argument("--moe-a2a-backend", default="none")
+    p.add_argument("--enable-dp-attention", action="store_true")
     p.add_argument("--concurrency", default="1,8,64")
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--steps", type=int, default=64)

@@ -122,9 +122,9 @@ class ServerArgs:
         64,
         "Largest decode batch run as a CUDA graph (graphs are captured at start-up for batch "
         "sizes 1, 2, 4, 8, 16, ... up to this; larger batches run as piecewise graphs up to "
-        "--cuda-graph-max-tokens, eagerly beyond). Groups of one rank, and tensor-parallel "
-        "attention (inside a graph --moe-a2a-backend alltoall dispatches as none does); "
-        "--enable-dp-attention groups decode eagerly.",
+        "--cuda-graph-max-tokens, eagerly beyond). Every layout: inside a graph "
+        "--moe-a2a-backend alltoall dispatches as none does, and with --enable-dp-attention "
+        "every rank replays the bucket of the rank with the most sequences.",
         "performance",
     )
     cuda_graph_max_tokens: int = _flag(

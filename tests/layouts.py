@@ -140,46 +140,75 @@ def _group(world: int, port: int, target, args) -> Iterator[mp.Queue]:  # type: 
 
 
 def _dispatch_rank_main(rank: int, world: int, init: str, queue: mp.Queue) -> None:
-    """One rank of `run_alltoall_both_ways`: the same routed step through the alltoall backend
-    as an eager step and as a step a CUDA graph would capture (no graph on CPU: the same calls)."""
+    """One rank of `run_alltoall_both_ways`: routed steps through the alltoall backend as eager
+    steps and as steps a CUDA graph would capture (no graph on CPU: the same calls). First with
+    the same tokens on every rank (tensor-parallel attention), then with each rank's own
+    (attention data-parallel), which a graph step pads to one bucket on every rank."""
     try:
         from safeserve.engine.parallel import Comm, Layout
         from safeserve.moe.dispatch import AllToAllDispatcher, CombineInput, StepTokens
         from safeserve.moe.placement import ExpertPlacement
         from safeserve.moe.topk import TopKOutput
 
-        experts, top_k, hidden, tokens = 8, 3, 16, 7
+        experts, top_k, hidden = 8, 3, 16
         comm = Comm(Layout(rank, world, world), torch.device("cpu"))
         comm.init(init)
         placement = ExpertPlacement(experts, world, rank)
         d = AllToAllDispatcher(placement, comm)
-        gen = torch.Generator().manual_seed(11)  # the same tokens on every rank (replicated)
-        x = torch.randn(tokens, hidden, generator=gen)
-        ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
-        w = torch.rand(tokens, top_k, generator=gen)
-        topk = TopKOutput(ids, w, torch.zeros(tokens, experts))
+
+        def routed(tokens: int, seed: int) -> tuple[torch.Tensor, TopKOutput]:
+            gen = torch.Generator().manual_seed(seed)
+            x = torch.randn(tokens, hidden, generator=gen)
+            ids = torch.stack(
+                [torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)]
+            )
+            w = torch.rand(tokens, top_k, generator=gen)
+            return x, TopKOutput(ids, w, torch.zeros(tokens, experts))
 
         def run_experts(out):  # type: ignore[no-untyped-def]
             # expert p scales its rows by p + 1: the sum tells which experts ran, and how often
             local = out.topk_ids
-            scale = torch.where(local >= 0, local + placement.local_start + 1, 0).to(x.dtype)
+            scale = torch.where(local >= 0, local + placement.local_start + 1, 0).to(torch.float)
             return CombineInput(out.hidden_states * (out.topk_weights * scale).sum(1, True))
 
-        results = {}
-        for graph in (False, True):
-            d.begin_step(StepTokens([tokens] * world, replicated=True, graph=graph))
+        def step(x: torch.Tensor, topk: TopKOutput, tokens: StepTokens) -> tuple:
+            d.begin_step(tokens)
             y = d.run(x, topk, run_experts)
             d.end_step()
-            results[graph] = (y.tolist(), d.last_count_matrix.tolist(), d.balance.passes)
-        expected = x * (w * (ids + 1).to(x.dtype)).sum(1, True)
-        queue.put((rank, results, expected.tolist()))
+            return y[: tokens.per_rank[rank]].tolist(), d.last_count_matrix.tolist()
+
+        def expected(x: torch.Tensor, topk: TopKOutput) -> list:
+            return (x * (topk.topk_weights * (topk.topk_ids + 1)).sum(1, True)).tolist()
+
+        results = {}
+        x, topk = routed(7, 11)  # the same tokens on every rank
+        for graph in (False, True):
+            results[("tp", graph)] = step(x, topk, StepTokens([7] * world, True, graph))
+        results["tp"] = expected(x, topk)
+        own = [3 + 2 * r for r in range(world)]  # each rank its own tokens
+        x, topk = routed(own[rank], 100 + rank)
+        results[("dp", False)] = step(x, topk, StepTokens(own, False))
+        bucket = max(own) + 1  # padded rows: zeros routed to expert 0 (outputs unread)
+        xp = torch.zeros(bucket, hidden)
+        xp[: own[rank]] = x
+        ids = torch.zeros(bucket, top_k, dtype=torch.int64)
+        ids[: own[rank]] = topk.topk_ids
+        w = torch.zeros(bucket, top_k)
+        w[: own[rank]] = topk.topk_weights
+        padded = TopKOutput(ids, w, torch.zeros(bucket, experts))
+        y, matrix = step(xp, padded, StepTokens([bucket] * world, False, True))
+        results[("dp", True)] = (y[: own[rank]], matrix)
+        results["dp"] = expected(x, topk)
+        results["passes"] = d.balance.passes
+        queue.put((rank, results, None))
         comm.shutdown()
     except Exception:
         queue.put((rank, "error", traceback.format_exc()))
 
 
 def run_alltoall_both_ways(world: int, port: int) -> list[tuple]:
-    """(rank, {graph: (output, count matrix, passes)}, expected output) from every rank."""
+    """(rank, results, None) from every rank; results[(layout, graph)] = (output rows, count
+    matrix) and results[layout] = the expected rows, for layout "tp" and "dp"."""
     with _group(world, port, _dispatch_rank_main, lambda r, init, q: (r, world, init, q)) as queue:
         out = [queue.get(timeout=120) for _ in range(world)]
     for rank, res, tb in out:

@@ -10,12 +10,14 @@ costs one replay and one small device-to-host copy. Everything inside the forwar
 capture-safe (no host sync): on CUDA that is the Triton fused MoE, top-k and decode-attention
 path, and with more than one rank the NCCL all-reduces of tensor-parallel attention and of the
 `none` backend. The `alltoall` backend needs its split sizes on the host: inside a graph it
-dispatches as `none` does (moe/dispatch/alltoall.py). Attention data-parallel gathers rows of
-sizes that vary per step: those groups decode eagerly.
+dispatches as `none` does (moe/dispatch/alltoall.py). With attention data-parallel each rank
+holds its own sequences: every rank replays the bucket of the largest rank's count, padding its
+own (a rank with none replays all padding), so the MoE's all-gathers have the same sizes on
+every rank.
 
 Every rank of a group captures the same buckets in the same order, and replays the same bucket
 in a step (every rank holds the same plan), so the collectives inside match. Ranks that do not
-sample capture no logits. A step's host bookkeeping inside the forward (admission rounds,
+sample (tensor-parallel attention: all but the leader) capture no logits. A step's host bookkeeping inside the forward (admission rounds,
 expert loads for balancedness) is taped at capture and run again after each replay.
 """
 
@@ -46,11 +48,14 @@ def graph_buckets(max_bs: int) -> list[int]:
     return sizes
 
 
-def begin_bucket_step(dispatcher: Dispatcher | None, tokens: int, ranks: int) -> None:
+def begin_bucket_step(
+    dispatcher: Dispatcher | None, tokens: int, ranks: int, replicated: bool = True
+) -> None:
     """Before a forward that a graph captures (or its warm-up): every rank of the group holds
-    the bucket's `tokens` (replicated), as the step the graph will replay does."""
+    the bucket's `tokens` (the same ones with tensor-parallel attention, its own with attention
+    data-parallel), as the step the graph will replay does."""
     if dispatcher is not None:
-        dispatcher.begin_step(StepTokens([tokens] * ranks, replicated=True, graph=True))
+        dispatcher.begin_step(StepTokens([tokens] * ranks, replicated=replicated, graph=True))
 
 
 def host_tape(dispatcher: Dispatcher | None) -> AbstractContextManager[list[Callable[[], None]]]:
@@ -78,10 +83,14 @@ class DecodeCudaGraphs:
         dispatcher: Dispatcher | None = None,
         logits: bool = True,
         ranks: int = 1,
+        replicated: bool = True,
     ) -> None:
         self.model = model
         self.dispatcher = dispatcher
-        self.ranks = ranks  # of the group: every rank holds the step's (replicated) tokens
+        self.ranks = ranks  # of the group
+        # True: every rank holds the step's tokens (tensor-parallel attention); False: each its
+        # own (attention data-parallel), padded to the same bucket on every rank.
+        self.replicated = replicated
         self.logits = logits  # False on ranks that do not sample
         self.kv_layers = kv_layers
         self.block_size = block_size
@@ -116,7 +125,7 @@ class DecodeCudaGraphs:
         )
 
     def _forward(self, bs: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        begin_bucket_step(self.dispatcher, bs, self.ranks)
+        begin_bucket_step(self.dispatcher, bs, self.ranks, self.replicated)
         hidden = self.model(
             self.input_ids[:bs], self.positions[:bs], self._meta(bs), self.kv_layers
         )
@@ -154,21 +163,34 @@ class DecodeCudaGraphs:
         return smallest_bucket(self.buckets, n)
 
     def can_run(self, seqs: list[SeqPlan]) -> bool:
-        if not seqs or len(seqs) > self.max_bs:
-            return False
-        width = self.width
-        return all(
-            len(s.token_ids) == 1 and (s.end + self.block_size - 1) // self.block_size <= width
+        return self.group_bucket([seqs]) is not None
+
+    def group_bucket(self, per_rank: list[list[SeqPlan]]) -> int | None:
+        """The bucket every rank of the group replays for a step whose ranks hold these
+        sequences (one list with tensor-parallel attention), or None: the step runs without a
+        decode graph on every rank. Every sequence must be a one-token decode whose block table
+        fits; the largest rank's count picks the bucket, and ranks with fewer (or none) pad."""
+        largest = max((len(seqs) for seqs in per_rank), default=0)
+        if largest == 0 or largest > self.max_bs:
+            return None
+        width, bsz = self.width, self.block_size
+        fits = all(
+            len(s.token_ids) == 1 and (s.end + bsz - 1) // bsz <= width
+            for seqs in per_rank
             for s in seqs
         )
+        return self.bucket_for(largest) if fits else None
 
-    def run(self, seqs: list[SeqPlan]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """One decode step of `seqs` (check `can_run` first): float32 logits [n, V] and their
-        argmax [n], views of the graph's outputs (valid until the next replay); None on a rank
-        that captured no logits."""
+    def run(
+        self, seqs: list[SeqPlan], bs: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """One decode step of `seqs` in bucket `bs` (default: the smallest that holds them; see
+        `group_bucket`): float32 logits [n, V] and their argmax [n], views of the graph's
+        outputs (valid until the next replay); None on a rank that captured no logits. A rank
+        of an attention data-parallel group replays its group's bucket even with no sequence."""
         n = len(seqs)
-        bs = self.bucket_for(n)
-        assert bs is not None
+        bs = bs if bs is not None else self.bucket_for(n)
+        assert bs is not None and n <= bs
         bsz, max_bs, width = self.block_size, self.max_bs, self.width
         host = self.host_np
         tables = host[_SMALL_ROWS * max_bs :].reshape(max_bs, width)

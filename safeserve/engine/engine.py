@@ -268,8 +268,8 @@ def warm_up_sizes(largest: int, compiles: bool) -> list[int]:
     which Triton compiles apart), and `largest`. What a kernel's variant depends on grows
     monotonically with the step's token count (tile configs keyed by powers of two, the
     heuristic's size classes, block sizes rounded up to a power of two), so a prefill at each
-    doubling reaches every variant; eager decode batches (DP-attention groups)
-    have the same token counts."""
+    doubling reaches every variant; decode batches past the decode graphs have the same
+    token counts."""
     if not compiles:
         return [min(3, largest)] if largest >= 1 else []
     sizes = {largest} if largest >= 1 else set()

@@ -104,13 +104,10 @@ class ModelRunner:
 
     def graphs_possible(self) -> bool:
         """Whether this group's steps can be CUDA graphs (decode: engine/cuda_graph.py; prefill
-        and mixed: engine/piecewise_graph.py): CUDA, not disabled, and one rank or
-        tensor-parallel attention (the `alltoall` backend then dispatches those steps as `none`
-        does: moe/dispatch/alltoall.py)."""
-        args, layout = self.args, self.layout
-        if self.device.type != "cuda" or args.disable_cuda_graph:
-            return False
-        return layout.tp_size == 1 or not layout.dp_attention
+        and mixed: engine/piecewise_graph.py): CUDA and not disabled. Every layout: the
+        `alltoall` backend dispatches captured steps as `none` does (moe/dispatch/alltoall.py),
+        and with attention data-parallel every rank replays the largest rank's bucket."""
+        return self.device.type == "cuda" and not self.args.disable_cuda_graph
 
     def capture_cuda_graphs(self) -> None:
         """Decode steps as CUDA graphs, then prefill and mixed steps as piecewise ones; each
@@ -127,8 +124,10 @@ class ModelRunner:
             args.block_size,
             self.device,
             dispatcher=self.dispatcher,
-            logits=self.layout.rank == 0,  # the leader samples (tensor-parallel attention)
+            # the leader samples with tensor-parallel attention, every rank with data-parallel
+            logits=self.layout.rank == 0 or self.layout.dp_attention,
             ranks=self.layout.tp_size,
+            replicated=not self.layout.dp_attention,
         )
         if self._capture("decode", graphs.capture):
             self.cuda_graphs = graphs
@@ -145,6 +144,7 @@ class ModelRunner:
             self.device,
             dispatcher=self.dispatcher,
             ranks=self.layout.tp_size,
+            replicated=not self.layout.dp_attention,
         )
         if self._capture("piecewise", piecewise.capture):
             self.piecewise = piecewise
@@ -332,7 +332,8 @@ class ModelRunner:
         """(logits of the sampling rows, their argmax where a CUDA graph computed it, the
         sampling sequences); logits None where this rank does not sample."""
         self.step_id = plan.step
-        if self.layout.dp_attention:
+        dp = self.layout.dp_attention
+        if dp:
             mine = plan.per_rank[self.layout.rank]
             sizes = [sum(len(s.token_ids) for s in seqs) for seqs in plan.per_rank]
             samples_here = True
@@ -346,8 +347,13 @@ class ModelRunner:
         sampling = [s for s in mine if s.params is not None]
         graphs = self.cuda_graphs
         # A captured graph ignores fault hooks set after capture: faulted steps run eagerly.
-        if graphs is not None and graphs.can_run(mine) and not self._faults_active():
-            out = graphs.run(mine)  # the same plan on every rank: the same bucket
+        # Every rank holds the whole plan, so every rank picks the same bucket (or none).
+        faulted = self._faults_active()
+        bucket = None
+        if graphs is not None and not faulted:
+            bucket = graphs.group_bucket(plan.per_rank if dp else [mine])
+        if bucket is not None:
+            out = graphs.run(mine, bucket)
             if out is None or not samples_here or not sampling:
                 return None, None, sampling
             logits, greedy = out
@@ -356,7 +362,7 @@ class ModelRunner:
                 index = torch.tensor(rows, dtype=torch.int64, device=self.device)
                 logits, greedy = logits[index], greedy[index]
             return logits, greedy, sampling
-        hidden, sample_rows = self._forward(mine)
+        hidden, sample_rows = self._forward(mine, max(sizes), faulted)
         if not samples_here or not sampling:
             return None, None, sampling
         return self.model.compute_logits(hidden[sample_rows]), None, sampling
@@ -364,8 +370,12 @@ class ModelRunner:
     def _faults_active(self) -> bool:
         return getattr(self.faults, "route_skew_expert", None) is not None
 
-    def _forward(self, seqs: list[SeqPlan]) -> tuple[torch.Tensor, torch.Tensor]:
-        """A step that no decode graph runs: as piecewise graphs where it fits, else eagerly."""
+    def _forward(
+        self, seqs: list[SeqPlan], group_tokens: int, faulted: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A step that no decode graph runs: as piecewise graphs where the group's largest
+        token count (`group_tokens`, this rank's own with tensor-parallel attention) fits, on
+        every rank, else eagerly."""
         ids: list[int] = []
         positions: list[int] = []
         sample_rows: list[int] = []
@@ -382,8 +392,8 @@ class ModelRunner:
             self.device,
         )
         pw = self.piecewise
-        if pw is not None and pw.can_run(len(ids)) and not self._faults_active():
-            hidden = pw.run(ids, positions, meta)
+        if pw is not None and pw.can_run(group_tokens) and not faulted:
+            hidden = pw.run(ids, positions, meta, group_tokens)
         else:
             hidden = self.model(
                 torch.tensor(ids, dtype=torch.int64, device=self.device),

@@ -20,9 +20,10 @@ are ignored. Each piece leaves its queries in one static buffer, which the eager
 of all buckets share one memory pool; a bucket's pieces always replay in order, so a piece may
 reuse what an earlier piece of the same bucket no longer needs.
 
-Like the decode graphs (engine/cuda_graph.py): every rank of a tensor-parallel group captures the
-same buckets in the same order and replays the same bucket in a step, and the host bookkeeping
-of the dispatcher is taped at capture and run after each replay.
+Like the decode graphs (engine/cuda_graph.py): every rank of a group captures the same buckets
+in the same order and replays the same bucket in a step (with attention data-parallel, the
+bucket of the largest rank's token count), and the host bookkeeping of the dispatcher is taped
+at capture and run after each replay.
 """
 
 from __future__ import annotations
@@ -74,11 +75,13 @@ class PiecewiseCudaGraphs:
         device: torch.device,
         dispatcher: Dispatcher | None = None,
         ranks: int = 1,
+        replicated: bool = True,
     ) -> None:
         self.model = model
         self.kv_layers = kv_layers
         self.dispatcher = dispatcher
         self.ranks = ranks
+        self.replicated = replicated  # False: attention data-parallel (engine/cuda_graph.py)
         self.buckets = piecewise_buckets(max_tokens)
         self.max_tokens = max_tokens
         # ids, positions, slots: one int64 buffer, mirrored in pinned host memory.
@@ -95,7 +98,7 @@ class PiecewiseCudaGraphs:
 
     # -- capture ----------------------------------------------------------------------------------
     def _forward(self, bs: int, cut: Callable) -> torch.Tensor:
-        begin_bucket_step(self.dispatcher, bs, self.ranks)
+        begin_bucket_step(self.dispatcher, bs, self.ranks, self.replicated)
         meta = AttentionMetadata(self.static[2, :bs], [], cut=cut)
         return self.model(self.static[0, :bs], self.static[1, :bs], meta, self.kv_layers)
 
@@ -155,12 +158,21 @@ class PiecewiseCudaGraphs:
 
     # -- replay -----------------------------------------------------------------------------------
     def can_run(self, num_tokens: int) -> bool:
+        """Whether a step whose largest rank holds `num_tokens` tokens runs as these graphs."""
         return 0 < num_tokens <= self.max_tokens
 
-    def run(self, ids: list[int], positions: list[int], meta: AttentionMetadata) -> torch.Tensor:
-        """The step's final hidden states [n, H] (a view, valid until the next replay)."""
+    def run(
+        self,
+        ids: list[int],
+        positions: list[int],
+        meta: AttentionMetadata,
+        group_tokens: int | None = None,
+    ) -> torch.Tensor:
+        """The step's final hidden states [n, H] (a view, valid until the next replay).
+        `group_tokens`: the largest token count of the group's ranks (attention data-parallel),
+        whose bucket every rank replays; a rank with no tokens replays it too."""
         n = len(ids)
-        bs = smallest_bucket(self.buckets, n)
+        bs = smallest_bucket(self.buckets, max(n, group_tokens or 0))
         assert bs is not None
         self.uploaded.synchronize()  # the pinned buffer's last upload has left
         self.host[0, :n] = torch.tensor(ids, dtype=torch.int64)
@@ -172,7 +184,7 @@ class PiecewiseCudaGraphs:
             self.static[2, n:bs].fill_(-1)  # padding rows: no KV written
         for piece in self.pieces[bs]:
             piece.graph.replay()
-            if piece.kv_cache is not None:
+            if piece.kv_cache is not None and n:
                 out = attend(self.q_buf[:n], piece.kv_cache, meta, piece.scale)
                 self.attn_out[:n].copy_(out)
         self.replays += 1

@@ -96,7 +96,7 @@ def ranks_table(groups: list[dict[str, Any]]) -> str:
 
 def _graph_replays(rank: dict[str, Any]) -> str | None:
     """Steps the rank replayed as decode / piecewise CUDA graphs; None when it captured none
-    (CPU, --disable-cuda-graph, DP-attention groups): every step runs eagerly."""
+    (CPU, --disable-cuda-graph, or the capture failed): every step runs eagerly."""
     decode, piecewise = rank.get("cuda_graph_replays"), rank.get("piecewise_graph_replays")
     if decode is None and piecewise is None:
         return None

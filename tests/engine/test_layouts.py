@@ -50,14 +50,22 @@ def test_layout_logits_match_transformers(checkpoint: Path, reference, name: str
 
 def test_alltoall_graph_steps_dispatch_as_none_with_the_same_result() -> None:
     """A step a CUDA graph captures cannot read the all-to-all's split sizes on the host: the
-    alltoall backend dispatches it as `none` does (no host sync, fixed shapes). On a real
-    2-rank gloo group both ways give every rank the same, correct output and a count matrix."""
+    alltoall backend dispatches it as `none` does (no host sync, fixed shapes; with attention
+    data-parallel every rank's rows padded to one bucket). On a real 2-rank gloo group both
+    ways give every rank its correct rows, with tensor-parallel and data-parallel attention."""
     from layouts import run_alltoall_both_ways
 
-    for _rank, results, expected in run_alltoall_both_ways(2, free_port()):
-        eager, graph = results[False], results[True]
-        torch.testing.assert_close(torch.tensor(eager[0]), torch.tensor(expected))
-        torch.testing.assert_close(torch.tensor(graph[0]), torch.tensor(expected))
-        # alltoall counts rows per (source, destination); `none` sends every token everywhere
-        assert graph[1] == [[7, 7]] and len(eager[1]) == 2
-        assert (eager[2], graph[2]) == (1, 2)  # each step closed one balancedness pass
+    for _rank, results, _ in run_alltoall_both_ways(2, free_port()):
+        for layout in ("tp", "dp"):
+            want = torch.tensor(results[layout])
+            for graph in (False, True):
+                got, matrix = results[(layout, graph)]
+                torch.testing.assert_close(torch.tensor(got), want, msg=f"{layout} {graph}")
+                # alltoall counts rows per (source, destination); `none` sends every token
+                # to every rank: one row per source, its (padded) token count for each rank
+                if graph and layout == "tp":
+                    assert matrix == [[7, 7]]
+                else:
+                    assert len(matrix) == 2
+        assert results[("dp", True)][1] == [[6, 6], [6, 6]]
+        assert results["passes"] == 4  # each step closed one balancedness pass

@@ -28,14 +28,11 @@ def test_layout_logits_on_gpus(checkpoint: Path, name: str) -> None:
     chunks = [4, 5, 1, 1, 1, 3, 1]  # the one-token steps are decode steps
     got = run_layout(checkpoint, name, seqs, chunks, free_port(), device="cuda", replays=replays)
     assert got
-    # Tensor-parallel attention runs its steps through CUDA graphs on every rank (NCCL inside
-    # the graph; the alltoall backend dispatches there as `none` does): the decode steps at
-    # positions 9, 10 and 11 as decode graphs, the chunks of 4, 5 and 3 as piecewise graphs (the
-    # last, empty step eagerly). DP-attention groups run eagerly.
-    _, _, _, dp = LAYOUTS[name]
-    if not dp:
-        assert replays == {0: (3, 3), 1: (3, 3)}
-    else:
-        assert replays == {0: (None, None), 1: (None, None)}
+    # Every layout runs its steps through CUDA graphs on every rank (NCCL inside the graph; the
+    # alltoall backend dispatches there as `none` does): the decode steps at positions 9, 10
+    # and 11 as decode graphs, the chunks of 4, 5 and 3 as piecewise graphs (the last, empty
+    # step eagerly). With DP attention rank 1's sequence ends after the second chunk: it
+    # replays the same graphs as rank 0 from then on, all padding.
+    assert replays == {0: (3, 3), 1: (3, 3)}
     for (i, pos), row in got.items():
         torch.testing.assert_close(row, ref[i][pos], atol=1e-4, rtol=0)

@@ -1,6 +1,6 @@
-"""The server on CUDA: one rank, a 2-rank alltoall group with attention data-parallel (eager),
-and 2-rank tensor-parallel groups with the `none` and the `alltoall` backend (decoding through
-CUDA graphs; alltoall dispatches as `none` inside them)."""
+"""The server on CUDA, decoding through CUDA graphs: one rank, a 2-rank alltoall group with
+attention data-parallel, and 2-rank tensor-parallel groups with the `none` and the `alltoall`
+backend (alltoall dispatches as `none` inside the graphs)."""
 
 from __future__ import annotations
 
@@ -47,18 +47,17 @@ def test_serves_on_cuda_and_matches_float32_single_rank(server_factory, checkpoi
         outs[name] = r.json()["choices"][0]["token_ids"]
         if extra is not None:
             # The first token comes from the prefill, each other one from a decode step: a CUDA
-            # graph replay on every rank, except in the DP-attention group (each rank holds
-            # rows of its own count). Heartbeats carry the count, so wait for the last one.
+            # graph replay on every rank (with DP attention also on the rank that holds no
+            # sequence: it replays padding, so the all-gathers match). Heartbeats carry the
+            # count, so wait for the last one.
             decode_steps = len(outs[name]) - 1
-            eager = "--enable-dp-attention" in layout
-            want = [None] * len(before) if eager else [n + decode_steps for n in before]
+            want = [n + decode_steps for n in before]
             deadline = time.monotonic() + 10
             while (after := _replays(s)) != want and time.monotonic() < deadline:
                 time.sleep(0.2)
             assert after == want and decode_steps > 0
-            # The prompt's prefill: one piecewise replay per rank (none in the DP group).
-            pw = [None] * len(before) if eager else [n + 1 for n in before_pw]
-            assert _piecewise(s) == pw
+            # The prompt's prefill: one piecewise replay per rank.
+            assert _piecewise(s) == [n + 1 for n in before_pw]
     assert outs["gpu"] == outs["cpu-ref"]
 
 

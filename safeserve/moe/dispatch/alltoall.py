@@ -8,9 +8,10 @@ rank's expert sums back, where they are added up per token. With tensor-parallel
 all-gathered afterwards. Needs `ep_size == tp_size`.
 
 A step that a CUDA graph captures (`StepTokens.graph`: decode steps, and prefill or mixed steps
-up to --cuda-graph-max-tokens, with tensor-parallel attention) cannot size its all-to-all from
+up to --cuda-graph-max-tokens) cannot size its all-to-all from
 counts read on the host. There the backend works as `none` does (it is its subclass): every rank
-already holds the step's tokens, runs its own experts on them (the fused MoE skips the pairs
+holds the step's tokens (with attention data-parallel, after an all-gather of fixed size: every
+rank's rows padded to the graph's bucket), runs its own experts on them (the fused MoE skips the pairs
 whose experts live elsewhere, so each (token, expert) pair is still computed once, on its
 expert's rank) and an all-reduce sums the ranks' parts. No host sync, fixed shapes. Eager steps,
 the large ones that the all-to-all's smaller transfers are for, keep the all-to-all.
@@ -65,7 +66,7 @@ class AllToAllDispatcher(AllGatherDispatcher):
     def prepare(self, hidden_states: torch.Tensor, topk: TopKOutput) -> Any:
         step = self.step
         assert step is not None, "begin_step() first"
-        if step.graph and step.replicated:
+        if step.graph:
             return super().prepare(hidden_states, topk)
         rank, world = self.comm.layout.rank, self.comm.world
         ids, weights = topk.topk_ids, topk.topk_weights
