@@ -172,10 +172,12 @@ def _dispatch_rank_main(rank: int, world: int, init: str, queue: mp.Queue) -> No
             return CombineInput(out.hidden_states * (out.topk_weights * scale).sum(1, True))
 
         def step(x: torch.Tensor, topk: TopKOutput, tokens: StepTokens) -> tuple:
+            d.balance.clear()
             d.begin_step(tokens)
             y = d.run(x, topk, run_experts)
-            d.end_step()
-            return y[: tokens.per_rank[rank]].tolist(), d.last_count_matrix.tolist()
+            d.end_step()  # closes the step's one balancedness pass
+            rows = y[: int(tokens.real.sum())] if tokens.real is not None else y
+            return rows.tolist(), d.last_count_matrix.tolist(), d.balance.window_means()[10]
 
         def expected(x: torch.Tensor, topk: TopKOutput) -> list:
             return (x * (topk.topk_weights * (topk.topk_ids + 1)).sum(1, True)).tolist()
@@ -188,18 +190,19 @@ def _dispatch_rank_main(rank: int, world: int, init: str, queue: mp.Queue) -> No
         own = [3 + 2 * r for r in range(world)]  # each rank its own tokens
         x, topk = routed(own[rank], 100 + rank)
         results[("dp", False)] = step(x, topk, StepTokens(own, False))
-        bucket = max(own) + 1  # padded rows: zeros routed to expert 0 (outputs unread)
-        xp = torch.zeros(bucket, hidden)
+        # A graph step pads every rank's rows to one bucket; the padding rows here are routed
+        # to experts 0..k-1 (rank 0's), as stale rows in a graph's buffers route somewhere.
+        bucket = max(own) + 1
+        xp = torch.ones(bucket, hidden)
         xp[: own[rank]] = x
-        ids = torch.zeros(bucket, top_k, dtype=torch.int64)
+        ids = torch.arange(top_k).repeat(bucket, 1)
         ids[: own[rank]] = topk.topk_ids
-        w = torch.zeros(bucket, top_k)
+        w = torch.ones(bucket, top_k)
         w[: own[rank]] = topk.topk_weights
         padded = TopKOutput(ids, w, torch.zeros(bucket, experts))
-        y, matrix = step(xp, padded, StepTokens([bucket] * world, False, True))
-        results[("dp", True)] = (y[: own[rank]], matrix)
+        real = torch.arange(bucket) < own[rank]
+        results[("dp", True)] = step(xp, padded, StepTokens([bucket] * world, False, True, real))
         results["dp"] = expected(x, topk)
-        results["passes"] = d.balance.passes
         queue.put((rank, results, None))
         comm.shutdown()
     except Exception:
@@ -208,7 +211,8 @@ def _dispatch_rank_main(rank: int, world: int, init: str, queue: mp.Queue) -> No
 
 def run_alltoall_both_ways(world: int, port: int) -> list[tuple]:
     """(rank, results, None) from every rank; results[(layout, graph)] = (output rows, count
-    matrix) and results[layout] = the expected rows, for layout "tp" and "dp"."""
+    matrix, the step's balancedness) and results[layout] = the expected rows, for layout "tp"
+    and "dp"."""
     with _group(world, port, _dispatch_rank_main, lambda r, init, q: (r, world, init, q)) as queue:
         out = [queue.get(timeout=120) for _ in range(world)]
     for rank, res, tb in out:

@@ -49,13 +49,19 @@ def graph_buckets(max_bs: int) -> list[int]:
 
 
 def begin_bucket_step(
-    dispatcher: Dispatcher | None, tokens: int, ranks: int, replicated: bool = True
+    dispatcher: Dispatcher | None,
+    tokens: int,
+    ranks: int,
+    replicated: bool = True,
+    real: torch.Tensor | None = None,
 ) -> None:
     """Before a forward that a graph captures (or its warm-up): every rank of the group holds
     the bucket's `tokens` (the same ones with tensor-parallel attention, its own with attention
-    data-parallel), as the step the graph will replay does."""
+    data-parallel), as the step the graph will replay does; `real` marks the rows that are not
+    padding (StepTokens)."""
     if dispatcher is not None:
-        dispatcher.begin_step(StepTokens([tokens] * ranks, replicated=replicated, graph=True))
+        step = StepTokens([tokens] * ranks, replicated=replicated, graph=True, real=real)
+        dispatcher.begin_step(step)
 
 
 def host_tape(dispatcher: Dispatcher | None) -> AbstractContextManager[list[Callable[[], None]]]:
@@ -125,7 +131,9 @@ class DecodeCudaGraphs:
         )
 
     def _forward(self, bs: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        begin_bucket_step(self.dispatcher, bs, self.ranks, self.replicated)
+        # padding rows have context 0; computed inside the graph, so each replay sees its own
+        real = self.context_lens[:bs] > 0 if self.dispatcher is not None else None
+        begin_bucket_step(self.dispatcher, bs, self.ranks, self.replicated, real)
         hidden = self.model(
             self.input_ids[:bs], self.positions[:bs], self._meta(bs), self.kv_layers
         )

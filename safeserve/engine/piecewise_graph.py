@@ -98,7 +98,9 @@ class PiecewiseCudaGraphs:
 
     # -- capture ----------------------------------------------------------------------------------
     def _forward(self, bs: int, cut: Callable) -> torch.Tensor:
-        begin_bucket_step(self.dispatcher, bs, self.ranks, self.replicated)
+        # padding rows have slot -1 (computed inside the graph: each replay sees its own)
+        real = self.static[2, :bs] >= 0 if self.dispatcher is not None else None
+        begin_bucket_step(self.dispatcher, bs, self.ranks, self.replicated, real)
         meta = AttentionMetadata(self.static[2, :bs], [], cut=cut)
         return self.model(self.static[0, :bs], self.static[1, :bs], meta, self.kv_layers)
 

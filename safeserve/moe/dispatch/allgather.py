@@ -65,6 +65,9 @@ class AllGatherDispatcher(Dispatcher):
     def dispatch(self, state: _State, round_index: int) -> DispatchOutput:
         lo, hi = self._mine(state, round_index)
         x, ids, w = state.hidden[lo:hi], state.topk.topk_ids[lo:hi], state.topk.topk_weights[lo:hi]
+        real = self.step.real if self.step is not None else None
+        if real is not None:  # a graph bucket's padding rows: no expert, no load
+            ids = torch.where(real[lo:hi, None], ids, -1)
         if len(state.sources) > 1:
             sizes = [b - a for a, b in state.rounds[round_index]]
             x = self.comm.all_gather_rows(x, sizes)
@@ -74,7 +77,7 @@ class AllGatherDispatcher(Dispatcher):
             # A scatter, not torch.bincount: no host sync, so the step can be a CUDA graph.
             dest = (ids // self.placement.experts_per_rank).reshape(-1).long()
             loads = torch.zeros(self.placement.ep_size, dtype=torch.int64, device=ids.device)
-            loads.scatter_add_(0, dest, torch.ones_like(dest))
+            loads.scatter_add_(0, dest.clamp(min=0), (dest >= 0).long())  # -1: dropped
             state.loads = loads if state.loads is None else state.loads + loads
         buf_x, _ = recv_views(self.buffers, x.shape[0])
         if buf_x is not None:

@@ -50,12 +50,16 @@ class StepTokens:
 
     `replicated`: every rank holds the same tokens (tensor-parallel attention); otherwise rank r
     holds its own `per_rank[r]` tokens (attention data-parallel). `graph`: a CUDA graph captures
-    the step, so the dispatch must not read anything on the host.
+    the step, so the dispatch must not read anything on the host. `real`: in a graph step, a
+    bool device tensor over this rank's rows, False for the bucket's padding rows (computed
+    inside the graph from its static inputs): their routing is dropped, so they cost no expert
+    work and count in no expert load.
     """
 
     per_rank: list[int]
     replicated: bool
     graph: bool = False
+    real: torch.Tensor | None = None
 
 
 Experts = Callable[[DispatchOutput], CombineInput]
