@@ -105,3 +105,28 @@ def test_graph_buckets_cover_every_size_once() -> None:
             b = smallest_bucket(buckets, n)
             assert b is not None and b >= n and all(x < n for x in buckets if x < b)
         assert smallest_bucket(buckets, buckets[-1] + 1) is None
+
+
+def test_every_rank_picks_the_same_decode_bucket_from_the_plan() -> None:
+    """With attention data-parallel the MoE's all-gathers inside a decode graph have the
+    bucket's size, so every rank must replay the same bucket, including ranks with no
+    sequence, or none (a rank replaying while a peer runs eagerly would pair different
+    collectives and hang). The bucket comes from the whole plan, which every rank holds."""
+    from safeserve.engine.cuda_graph import DecodeCudaGraphs
+    from safeserve.engine.plan import SeqPlan
+
+    graphs = object.__new__(DecodeCudaGraphs)  # the choice needs no device buffers
+    graphs.buckets, graphs.max_bs, graphs.block_size, graphs.width = graph_buckets(16), 16, 4, 8
+
+    def seqs(n: int, tokens: int = 1, end: int = 10) -> list[SeqPlan]:
+        return [SeqPlan([7] * tokens, end - tokens, list(range(8))) for _ in range(n)]
+
+    assert graphs.group_bucket([seqs(3), seqs(0)]) == 4  # the largest rank's count
+    assert graphs.group_bucket([seqs(0), seqs(9)]) == 16
+    assert graphs.group_bucket([seqs(1)]) == 1  # tensor-parallel attention: one list
+    assert graphs.group_bucket([seqs(0), seqs(0)]) is None  # nothing to run
+    assert graphs.group_bucket([seqs(2), seqs(17)]) is None  # past the largest bucket
+    assert graphs.group_bucket([seqs(2), seqs(1, tokens=3)]) is None  # a prefill chunk
+    assert graphs.group_bucket([seqs(1, end=33), seqs(1)]) is None  # past the table width
+    assert graphs.group_bucket([seqs(1, end=32), seqs(1)]) == 1
+    assert graphs.can_run(seqs(2)) and not graphs.can_run([])
