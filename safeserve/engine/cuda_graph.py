@@ -17,8 +17,9 @@ every rank.
 
 Every rank of a group captures the same buckets in the same order, and replays the same bucket
 in a step (every rank holds the same plan), so the collectives inside match. Ranks that do not
-sample (tensor-parallel attention: all but the leader) capture no logits. A step's host bookkeeping inside the forward (admission rounds,
-expert loads for balancedness) is taped at capture and run again after each replay.
+sample (tensor-parallel attention: all but the leader) capture no logits. A step's host
+bookkeeping inside the forward (admission rounds, expert loads for balancedness) is taped at
+capture and run again after each replay.
 """
 
 from __future__ import annotations

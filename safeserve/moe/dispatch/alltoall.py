@@ -8,13 +8,14 @@ rank's expert sums back, where they are added up per token. With tensor-parallel
 all-gathered afterwards. Needs `ep_size == tp_size`.
 
 A step that a CUDA graph captures (`StepTokens.graph`: decode steps, and prefill or mixed steps
-up to --cuda-graph-max-tokens) cannot size its all-to-all from
-counts read on the host. There the backend works as `none` does (it is its subclass): every rank
-holds the step's tokens (with attention data-parallel, after an all-gather of fixed size: every
-rank's rows padded to the graph's bucket), runs its own experts on them (the fused MoE skips the pairs
-whose experts live elsewhere, so each (token, expert) pair is still computed once, on its
-expert's rank) and an all-reduce sums the ranks' parts. No host sync, fixed shapes. Eager steps,
-the large ones that the all-to-all's smaller transfers are for, keep the all-to-all.
+up to --cuda-graph-max-tokens) cannot size its all-to-all from counts read on the host. There
+the backend works as `none` does (it is its subclass): every rank holds the step's tokens (with
+attention data-parallel, after an all-gather of fixed size: every rank's rows padded to the
+graph's bucket), runs its own experts on them (the fused MoE skips the pairs whose experts live
+elsewhere, so each (token, expert) pair is still computed once, on its expert's rank) and an
+all-reduce sums the ranks' parts. No host sync, fixed shapes. Eager steps, the large ones that
+the all-to-all's smaller transfers are for, keep the all-to-all. (DeepEP's peers split the same
+way: normal mode for large eager steps, low-latency mode with fixed sizes for graphs.)
 """
 
 from __future__ import annotations
