@@ -497,10 +497,19 @@ def run_transformers(
 # ---------------------------------------------------------------------------------------------
 
 
+def check_one_rank(args: ServerArgs) -> None:
+    """The bench runs one rank in this process; a group of several is another script's."""
+    if args.tp_size != 1:
+        raise ValueError(
+            "safeserve bench runs one rank (--tp-size 1); for a multi-GPU group run "
+            "kernels/bench_tp_decode.py with the same layout flags (one engine rank per GPU, "
+            "decode steps eagerly and as CUDA graphs)"
+        )
+
+
 def run_bench(args: ServerArgs, opts: BenchOptions) -> dict:
     args = bench_server_args(args, opts)
-    if args.tp_size != 1:
-        raise ValueError("safeserve bench runs one rank (--tp-size 1)")
+    check_one_rank(args)
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -584,6 +593,7 @@ def main(ns: argparse.Namespace) -> int:
     try:
         args = ServerArgs.from_cli_args(ns)
         opts = BenchOptions.from_namespace(ns)
+        check_one_rank(args)
     except (ConfigError, ValueError) as e:
         print(f"safeserve bench: error: {e}", file=sys.stderr)
         return 2

@@ -63,3 +63,7 @@ def test_bench_tiny_cpu_with_transformers_peer(tmp_path: Path, capsys) -> None: 
 def test_bench_rejects_bad_flags(capsys) -> None:  # type: ignore[no-untyped-def]
     assert main(["bench", "--concurrency", "0,2"]) == 2
     assert "positive" in capsys.readouterr().err
+    # a layout of several ranks: one line naming the script that benchmarks it, no traceback
+    assert main(["bench", "--tp-size", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "kernels/bench_tp_decode.py" in err and "Traceback" not in err
