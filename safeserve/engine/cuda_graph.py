@@ -133,7 +133,8 @@ class DecodeCudaGraphs:
 
     def _forward(self, bs: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         # padding rows have context 0; computed inside the graph, so each replay sees its own
-        real = self.context_lens[:bs] > 0 if self.dispatcher is not None else None
+        # (read only by the multi-rank dispatchers: one rank's MoE layer runs its rows directly)
+        real = self.context_lens[:bs] > 0 if self.ranks > 1 else None
         begin_bucket_step(self.dispatcher, bs, self.ranks, self.replicated, real)
         hidden = self.model(
             self.input_ids[:bs], self.positions[:bs], self._meta(bs), self.kv_layers

@@ -99,7 +99,7 @@ class PiecewiseCudaGraphs:
     # -- capture ----------------------------------------------------------------------------------
     def _forward(self, bs: int, cut: Callable) -> torch.Tensor:
         # padding rows have slot -1 (computed inside the graph: each replay sees its own)
-        real = self.static[2, :bs] >= 0 if self.dispatcher is not None else None
+        real = self.static[2, :bs] >= 0 if self.ranks > 1 else None  # (as engine/cuda_graph.py)
         begin_bucket_step(self.dispatcher, bs, self.ranks, self.replicated, real)
         meta = AttentionMetadata(self.static[2, :bs], [], cut=cut)
         return self.model(self.static[0, :bs], self.static[1, :bs], meta, self.kv_layers)

@@ -251,7 +251,7 @@ class MoeLaunch:
     def _chunk(self) -> None:
         g1, g2, part = self.cfg["gemm1"], self.cfg["gemm2"], self.cache
         assert part is not None, "align() first"
-        slices = part.shape[0]
+        slices, rows = part.shape[0], _chunk_slice(g1)
         _chunk_kernel[(self.num_pairs * slices,)](
             self.x,
             self.w13,
@@ -267,15 +267,14 @@ class MoeLaunch:
             self.w13.stride(1),
             self.w2.stride(0),
             self.w2.stride(1),
-            self.w2.stride(2),
             TOP_K=self.top_k,
             BLOCK_M=16,
             BLOCK_I=g1["BLOCK_N"],
             BLOCK_K=g1["BLOCK_K"],
             BLOCK_H=g2["BLOCK_N"],
-            SLICE=_chunk_slice(g1),
+            SLICE=rows,
             EVEN_K=self.hidden % g1["BLOCK_K"] == 0,
-            FULL_SLICES=_chunk_slice(g1) == g1["BLOCK_N"] and self.inter % g1["BLOCK_N"] == 0,
+            FULL_SLICES=rows == g1["BLOCK_N"] and self.inter % rows == 0,
             EVEN_H=self.hidden % g2["BLOCK_N"] == 0,
             DOT_PRECISION=self.dot_precision,
             USE_PDL=self.pdl,

@@ -32,7 +32,6 @@ if HAS_TRITON:
         stride_w13n,
         stride_w2e,
         stride_w2n,
-        stride_w2k,
         TOP_K: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_I: tl.constexpr,
@@ -108,7 +107,7 @@ if HAS_TRITON:
             w2_ptr
             + expert.to(tl.int64) * stride_w2e
             + offs_h[None, :].to(tl.int64) * stride_w2n
-            + offs_i[:, None] * stride_w2k
+            + offs_i[:, None]
         )
         p_ptrs = part_ptr + (chunk * num_pairs + pair).to(tl.int64) * H + offs_h
         for n0 in range(0, H, BLOCK_H):
