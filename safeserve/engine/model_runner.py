@@ -346,11 +346,10 @@ class ModelRunner:
         self.on_phase(plan.step, "attention")
         sampling = [s for s in mine if s.params is not None]
         graphs = self.cuda_graphs
-        # A captured graph ignores fault hooks set after capture: faulted steps run eagerly.
-        # Every rank holds the whole plan, so every rank picks the same bucket (or none).
-        faulted = self._faults_active()
+        # Every rank holds the whole plan, so every rank picks the same bucket (or none). Fault
+        # injection (route skew) lives in device tensors that the graphs read: no eager step.
         bucket = None
-        if graphs is not None and not faulted:
+        if graphs is not None:
             bucket = graphs.group_bucket(plan.per_rank if dp else [mine])
         if bucket is not None:
             out = graphs.run(mine, bucket)
@@ -362,17 +361,12 @@ class ModelRunner:
                 index = torch.tensor(rows, dtype=torch.int64, device=self.device)
                 logits, greedy = logits[index], greedy[index]
             return logits, greedy, sampling
-        hidden, sample_rows = self._forward(mine, max(sizes), faulted)
+        hidden, sample_rows = self._forward(mine, max(sizes))
         if not samples_here or not sampling:
             return None, None, sampling
         return self.model.compute_logits(hidden[sample_rows]), None, sampling
 
-    def _faults_active(self) -> bool:
-        return getattr(self.faults, "route_skew_expert", None) is not None
-
-    def _forward(
-        self, seqs: list[SeqPlan], group_tokens: int, faulted: bool
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, seqs: list[SeqPlan], group_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A step that no decode graph runs: as piecewise graphs where the group's largest
         token count (`group_tokens`, this rank's own with tensor-parallel attention) fits, on
         every rank, else eagerly."""
@@ -392,7 +386,7 @@ class ModelRunner:
             self.device,
         )
         pw = self.piecewise
-        if pw is not None and pw.can_run(group_tokens) and not faulted:
+        if pw is not None and pw.can_run(group_tokens):
             hidden = pw.run(ids, positions, meta, group_tokens)
         else:
             hidden = self.model(

@@ -29,6 +29,14 @@ def topk_softmax_torch(
     return weights, ids.to(torch.int32)
 
 
+def skew_ids(ids: torch.Tensor, skew: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Reference of the kernels' skew: where skew[0] >= 0, every row's ids become
+    skew, skew + 1, ... (mod num_experts); else `ids` unchanged. No host synchronisation."""
+    top_k = ids.shape[-1]
+    skewed = (skew + torch.arange(top_k, device=ids.device)) % num_experts
+    return torch.where(skew >= 0, skewed.to(ids.dtype).expand_as(ids), ids)
+
+
 if HAS_TRITON:
 
     @triton.jit
@@ -41,14 +49,22 @@ if HAS_TRITON:
         w_ptr,
         ids_ptr,
         map_ptr,
+        skew_ptr,
+        num_experts,
         TOP_K: tl.constexpr,
         K_PAD: tl.constexpr,
         BLOCK_T: tl.constexpr,
         RENORMALIZE: tl.constexpr,
         HAS_MAP: tl.constexpr,
+        HAS_SKEW: tl.constexpr,
     ):
         """Softmax of float32 logits x [BLOCK_T, E_PAD] (-inf past the experts), top k by
-        repeated argmax (ties to the lower id), optional renormalisation, id map; stores."""
+        repeated argmax (ties to the lower id), optional renormalisation, id map; stores.
+
+        HAS_SKEW: the int64 at skew_ptr, when >= 0 (fault injection, `route_skew`), replaces
+        every row's ids by the experts starting there, (skew + slot) % num_experts, before the
+        map; the weights stay the top k's. A tensor, not a constexpr, so a CUDA graph captured
+        with it follows the fault being set and cleared."""
         # Rows past the batch are all -inf: give them zeros rather than NaN (they are not
         # stored, but an argmax over an all-NaN row is an error in Triton's interpreter).
         x_max = tl.where(row_ok, tl.max(x, axis=1), 0.0)
@@ -67,6 +83,10 @@ if HAS_TRITON:
             p = tl.where(cols[None, :] == best[:, None], -1.0, p)
         if RENORMALIZE:
             top_w = top_w / tl.sum(top_w, axis=1)[:, None]
+        if HAS_SKEW:
+            skew = tl.load(skew_ptr)
+            skewed = ((skew + kcols) % num_experts).to(tl.int32)
+            top_i = tl.where(skew >= 0, skewed[None, :], top_i)
         offs = rows[:, None].to(tl.int64) * TOP_K + kcols[None, :]
         mask = row_ok[:, None] & (kcols[None, :] < TOP_K)
         if HAS_MAP:  # logical -> physical expert id
@@ -80,6 +100,7 @@ if HAS_TRITON:
         w_ptr,
         ids_ptr,
         map_ptr,
+        skew_ptr,
         num_tokens,
         num_experts,
         stride_lt,
@@ -89,6 +110,7 @@ if HAS_TRITON:
         BLOCK_T: tl.constexpr,
         RENORMALIZE: tl.constexpr,
         HAS_MAP: tl.constexpr,
+        HAS_SKEW: tl.constexpr,
         USE_PDL: tl.constexpr,
     ):
         pdl_wait(USE_PDL)
@@ -102,8 +124,8 @@ if HAS_TRITON:
             other=-float("inf"),
         ).to(tl.float32)
         _softmax_topk_store(
-            x, rows, row_ok, cols, col_ok, w_ptr, ids_ptr, map_ptr,
-            TOP_K, K_PAD, BLOCK_T, RENORMALIZE, HAS_MAP,
+            x, rows, row_ok, cols, col_ok, w_ptr, ids_ptr, map_ptr, skew_ptr, num_experts,
+            TOP_K, K_PAD, BLOCK_T, RENORMALIZE, HAS_MAP, HAS_SKEW,
         )  # fmt: skip
 
     @triton.jit(do_not_specialize=["num_tokens"])
@@ -115,6 +137,7 @@ if HAS_TRITON:
         w_ptr,
         ids_ptr,
         map_ptr,
+        skew_ptr,
         sync_ptr,
         num_tokens,
         num_experts,
@@ -132,6 +155,7 @@ if HAS_TRITON:
         SPLIT_K: tl.constexpr,
         RENORMALIZE: tl.constexpr,
         HAS_MAP: tl.constexpr,
+        HAS_SKEW: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
         USE_PDL: tl.constexpr,
     ):
@@ -193,8 +217,8 @@ if HAS_TRITON:
             x = acc.to(logits_ptr.dtype.element_ty).to(tl.float32)
             x = tl.where(e_ok[None, :], x, -float("inf"))
             _softmax_topk_store(
-                x, rows, row_ok, experts, e_ok, w_ptr, ids_ptr, map_ptr,
-                TOP_K, K_PAD, BLOCK_T, RENORMALIZE, HAS_MAP,
+                x, rows, row_ok, experts, e_ok, w_ptr, ids_ptr, map_ptr, skew_ptr, num_experts,
+                TOP_K, K_PAD, BLOCK_T, RENORMALIZE, HAS_MAP, HAS_SKEW,
             )  # fmt: skip
         else:
             p_rows = part_ptr + rows[:, None].to(tl.int64) * (SPLIT_K * num_experts)
@@ -221,8 +245,8 @@ if HAS_TRITON:
                 tl.store(l_rows + cols[None, :], logits, mask=mask)
                 x = tl.where(col_ok[None, :], logits.to(tl.float32), -float("inf"))
                 _softmax_topk_store(
-                    x, rows, row_ok, cols, col_ok, w_ptr, ids_ptr, map_ptr,
-                    TOP_K, K_PAD, BLOCK_T, RENORMALIZE, HAS_MAP,
+                    x, rows, row_ok, cols, col_ok, w_ptr, ids_ptr, map_ptr, skew_ptr,
+                    num_experts, TOP_K, K_PAD, BLOCK_T, RENORMALIZE, HAS_MAP, HAS_SKEW,
                 )  # fmt: skip
                 tl.atomic_xchg(sync_ptr + tb, 0)
 
@@ -246,15 +270,20 @@ def fused_topk_softmax(
     renormalize: bool,
     weights_dtype: torch.dtype = torch.float32,
     expert_map: torch.Tensor | None = None,
+    skew: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over experts in float32, top k, optional renormalisation, in one kernel.
 
     Returns (weights [T, k] in `weights_dtype`, ids [T, k]): ids int32, or, with `expert_map`
     ([E] int64, logical -> physical), the mapped ids as int64, mapped inside the same kernel.
-    Reference: `topk_softmax_torch`.
+    `skew` ([1] int64 on the device): where it holds an expert id e >= 0, every row's ids
+    are e, e + 1, ... (mod E) instead (fault injection), read on the device at run time.
+    Reference: `topk_softmax_torch` (+ `skew_ids`).
     """
     if not use_kernels(router_logits):
         weights, ids = topk_softmax_torch(router_logits, top_k, renormalize)
+        if skew is not None:
+            ids = skew_ids(ids, skew, router_logits.shape[-1])
         if expert_map is not None:
             ids = expert_map[ids.to(torch.int64)]
         return weights.to(weights_dtype), ids
@@ -274,6 +303,7 @@ def fused_topk_softmax(
         weights,
         ids,
         expert_map if expert_map is not None else ids,
+        skew if skew is not None else ids,
         num_tokens,
         num_experts,
         logits.stride(0),
@@ -283,6 +313,7 @@ def fused_topk_softmax(
         BLOCK_T=block_t,
         RENORMALIZE=renormalize,
         HAS_MAP=expert_map is not None,
+        HAS_SKEW=skew is not None,
         # A decode step's few rows fit one warp: its reductions then need no shared memory.
         USE_PDL=pdl,
         num_warps=1 if e_pad * block_t <= 256 else (4 if e_pad * block_t <= 2048 else 8),
@@ -306,8 +337,10 @@ def router_topk(
     weights_dtype: torch.dtype = torch.float32,
     expert_map: torch.Tensor | None = None,
     num_warps: int = 8,
+    skew: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Router logits (x @ gate.T, in the hidden dtype) and their top-k, as `fused_topk_softmax`.
+    """Router logits (x @ gate.T, in the hidden dtype) and their top-k, as `fused_topk_softmax`
+    (`skew` as there).
 
     Returns (weights, ids, logits). Up to `ROUTER_FUSED_MAX_TOKENS` tokens on the kernel path it
     is one launch; no host synchronisation either way (CUDA-graph safe). `num_warps`: of the
@@ -319,7 +352,9 @@ def router_topk(
         raise ValueError(f"gate {tuple(gate_weight.shape)} does not take hidden size {hidden}")
     if not use_kernels(hidden_states) or num_tokens > ROUTER_FUSED_MAX_TOKENS or num_tokens == 0:
         logits = torch.nn.functional.linear(hidden_states, gate_weight.to(hidden_states.dtype))
-        weights, ids = fused_topk_softmax(logits, top_k, renormalize, weights_dtype, expert_map)
+        weights, ids = fused_topk_softmax(
+            logits, top_k, renormalize, weights_dtype, expert_map, skew
+        )
         return weights, ids, logits
     if top_k > num_experts:
         raise ValueError(f"top_k={top_k} > {num_experts} experts")
@@ -349,6 +384,7 @@ def router_topk(
         weights,
         ids,
         expert_map if expert_map is not None else ids,
+        skew if skew is not None else ids,
         sync,
         num_tokens,
         num_experts,
@@ -366,6 +402,7 @@ def router_topk(
         SPLIT_K=split_k,
         RENORMALIZE=renormalize,
         HAS_MAP=expert_map is not None,
+        HAS_SKEW=skew is not None,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         USE_PDL=pdl,
         num_warps=num_warps,

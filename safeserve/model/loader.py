@@ -85,7 +85,7 @@ def build_model(
     net.rotary.to(device)
     for layer in net.layers:
         if layer.is_moe:
-            layer.mlp.gate.logical_to_physical = torch.arange(cfg.num_experts, device=device)
+            layer.mlp.gate.reset_buffers(device)
     if cfg.tie_word_embeddings:
         net.lm_head.weight = net.embed_tokens.weight
     # Before filling: the per-projection parameters become views of the fused weights.

@@ -38,12 +38,32 @@ class Router(torch.nn.Module):
         self.renormalize = renormalize
         # Logical -> physical expert id; identity until a load balancer moves experts.
         self.register_buffer("logical_to_physical", torch.arange(num_experts), persistent=False)
-        self.skew_expert: int | None = None  # set only by fault injection (route_skew)
+        # Fault injection (route_skew): the first expert every token is sent to, -1 = off. A
+        # device tensor that the router kernels read at run time, so captured CUDA graphs
+        # follow it being set and cleared.
+        self.register_buffer("skew", torch.full((1,), -1, dtype=torch.int64), persistent=False)
+        self._skew_expert: int | None = None
+
+    def reset_buffers(self, device: torch.device | str) -> None:
+        """Identity expert map and no skew, on `device` (after the model left the meta device)."""
+        self.logical_to_physical = torch.arange(self.weight.shape[0], device=device)
+        self.skew = torch.full((1,), -1, dtype=torch.int64, device=device)
+        self._skew_expert = None
+
+    @property
+    def skew_expert(self) -> int | None:
+        return self._skew_expert
+
+    @skew_expert.setter
+    def skew_expert(self, expert: int | None) -> None:
+        """Set (or clear, None) the route skew; written in place on the router's stream."""
+        self._skew_expert = expert
+        self.skew.fill_(-1 if expert is None else expert % self.weight.shape[0])
 
     def forward(self, hidden_states: torch.Tensor) -> TopKOutput:
-        if hidden_states.is_cuda and self.skew_expert is None:
+        if hidden_states.is_cuda:
             # Triton: the router GEMM (decode-sized batches) and the same float32 top-k math,
-            # the weights' cast and the id mapping, in one launch.
+            # the weights' cast, the skew and the id mapping, in one launch.
             from safeserve.kernels.topk_softmax import router_topk
 
             weights, ids, logits = router_topk(
@@ -53,16 +73,17 @@ class Router(torch.nn.Module):
                 self.renormalize,
                 hidden_states.dtype,
                 self.logical_to_physical,
+                skew=self.skew,
             )
             return TopKOutput(ids, weights, logits)
         logits = F.linear(hidden_states, self.weight)
         weights, logical_ids = softmax_topk(
             logits, self.top_k, self.renormalize, hidden_states.dtype
         )
-        if self.skew_expert is not None:
+        if self._skew_expert is not None:
             # Fault injection: every token picks the experts starting at one (the worst skew).
             skewed = (
-                self.skew_expert + torch.arange(self.top_k, device=logits.device)
+                self._skew_expert + torch.arange(self.top_k, device=logits.device)
             ) % logits.shape[-1]
             logical_ids = skewed.expand_as(logical_ids)
         return TopKOutput(self.logical_to_physical[logical_ids], weights, logits)

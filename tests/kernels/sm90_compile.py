@@ -126,8 +126,18 @@ def _launch_everything() -> None:
         for tokens in (1, 16, 64):
             logits = torch.empty(tokens, e, dtype=dtype)
             tk.fused_topk_softmax(logits, k, True, dtype, torch.zeros(e, dtype=torch.int64))
+            skew = torch.zeros(1, dtype=torch.int64)  # the router passes its skew tensor
             tk.router_topk(
                 torch.empty(tokens, h, dtype=dtype), torch.empty(e, h, dtype=dtype), k, True
+            )
+            tk.router_topk(
+                torch.empty(tokens, h, dtype=dtype),
+                torch.empty(e, h, dtype=dtype),
+                k,
+                True,
+                dtype,
+                torch.zeros(e, dtype=torch.int64),
+                skew=skew,
             )
     for pairs in (64, 5000):  # one program; count + scatter
         moe_align(torch.zeros(pairs, 1, dtype=torch.int32), e, 64)

@@ -92,6 +92,32 @@ def test_cuda_kernels_match_cpu_float32(graphs: bool) -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_route_skew_runs_through_the_graphs_and_matches_cpu_float32() -> None:
+    """Fault injection's route skew, set after the graphs were captured: every step still
+    replays (decode graphs, piecewise prefill and mixed steps), and the logits are those of
+    the CPU engine under the same skew, not those without it."""
+    from safeserve.engine.plan import Faults
+
+    cpu = _runner("cpu", False, "float32", None)
+    plain = _logits_trace(cpu)
+    cpu.apply_faults(Faults(route_skew_expert=3))
+    ref = _logits_trace(cpu)
+    cuda = _runner("cuda", True, "float32", cpu.model)
+    cuda.apply_faults(Faults(route_skew_expert=3))
+    got = _logits_trace(cuda)  # asserts the two piecewise replays
+    assert cuda.cuda_graphs.replays == 11  # every decode step (step 8 is the mixed one)
+    assert max((a - b).abs().max().item() for a, b in zip(ref, plain, strict=True)) > 1e-2
+    for a, b in zip(got, ref, strict=True):
+        assert not a.isnan().any()
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+    cuda.apply_faults(Faults())  # cleared: back to the unskewed logits, still replayed
+    cuda.piecewise.replays = 0
+    for a, b in zip(_logits_trace(cuda), plain, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+    assert cuda.cuda_graphs.replays == 22
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_graphs_match_eager_bfloat16() -> None:
     eager_runner = _runner("cuda", False, "bfloat16", None)
     eager = _logits_trace(eager_runner)

@@ -165,3 +165,77 @@ def test_gpu_counters_are_never_allocated_in_a_capture() -> None:
     with pytest.raises(RuntimeError, match="outside the capture"):
         with torch.cuda.graph(graph):
             common.zeroed_counters(torch.device("cuda"), 8, "test: first use in a capture")
+
+
+def _skew_check(tokens: int, experts: int, device: str, dtype: torch.dtype) -> None:
+    """The kernels' route skew (a device tensor, fault injection) against `skew_ids`: ids
+    replaced by the experts from the skew on, mapped; weights unchanged; -1 changes nothing."""
+    x, gate, emap = _inputs(tokens, experts, 96, True, dtype, device, 5)
+    skew = torch.full((1,), -1, dtype=torch.int64, device=device)
+    plain = tk.router_topk(x, gate, 4, True, dtype, emap)
+    off = tk.router_topk(x, gate, 4, True, dtype, emap, skew=skew)
+    assert all(torch.equal(a, b) for a, b in zip(off, plain, strict=True))
+    for e in (0, experts - 2):  # the second wraps around the last expert
+        skew.fill_(e)
+        weights, ids, logits = tk.router_topk(x, gate, 4, True, dtype, emap, skew=skew)
+        want = emap[(e + torch.arange(4, device=device)) % experts].expand(tokens, 4)
+        assert torch.equal(ids, want.to(ids.dtype)), (e, ids.tolist())
+        assert torch.equal(weights, plain[0]) and torch.equal(logits, plain[2])
+        ref = tk.skew_ids(plain[1].new_zeros(tokens, 4), skew, experts)
+        assert torch.equal(emap[ref.long()], want)
+
+
+@interp
+@pytest.mark.parametrize("tokens", [1, 40])  # the one-launch kernel; GEMM + top-k kernel
+def test_interpreter_router_topk_skew(tokens: int) -> None:
+    _skew_check(tokens, 20, "cpu", torch.float32)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("tokens", [1, 40])
+def test_gpu_router_topk_skew(tokens: int) -> None:
+    _skew_check(tokens, 128, "cuda", torch.bfloat16)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_skew_set_after_capture_reaches_the_replay() -> None:
+    """A graph captured with no skew follows the skew tensor being set and cleared."""
+    x, gate, emap = _inputs(3, 128, 2048, True, torch.bfloat16, "cuda", 31)
+    skew = torch.full((1,), -1, dtype=torch.int64, device="cuda")
+    want = tk.router_topk(x, gate, 8, True, torch.bfloat16, emap, skew=skew)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = tk.router_topk(x, gate, 8, True, torch.bfloat16, emap, skew=skew)
+    for e in (None, 7, 125, None):
+        skew.fill_(-1 if e is None else e)
+        graph.replay()
+        torch.cuda.synchronize()
+        if e is None:
+            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        else:
+            skewed = emap[(e + torch.arange(8, device="cuda")) % 128].expand(3, 8)
+            assert torch.equal(got[1], skewed) and torch.equal(got[0], want[0])
+
+
+def test_router_skew_setting_reaches_its_device_tensor() -> None:
+    """`Router.skew_expert` (what the engine's fault injection sets) writes the tensor the
+    kernels read, and the CPU path skews the same way as the kernels' reference."""
+    from safeserve.moe.topk import Router
+
+    router = Router(32, 16, 4, True)
+    router.weight.copy_(torch.randn(16, 32, generator=torch.Generator().manual_seed(3)))
+    router.logical_to_physical = torch.randperm(16, generator=torch.Generator().manual_seed(4))
+    x = torch.randn(5, 32)
+    plain = router(x)
+    router.skew_expert = 14
+    assert router.skew.tolist() == [14] and router.skew_expert == 14
+    skewed = router(x)
+    want = router.logical_to_physical[tk.skew_ids(plain.topk_ids, router.skew, 16)]
+    assert torch.equal(skewed.topk_ids, want)
+    assert want[0].tolist() == router.logical_to_physical[[14, 15, 0, 1]].tolist()
+    assert torch.equal(skewed.topk_weights, plain.topk_weights)
+    router.skew_expert = None
+    assert router.skew.tolist() == [-1] and torch.equal(router(x).topk_ids, plain.topk_ids)
