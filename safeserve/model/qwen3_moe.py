@@ -15,6 +15,7 @@ from torch import nn
 from safeserve.engine.attention import AttentionMetadata, attend
 from safeserve.engine.parallel import Comm, Layout
 from safeserve.kernels import norm_rope as nr
+from safeserve.kernels.linear import linear
 from safeserve.model.config import ModelConfig
 from safeserve.model.sharding import dense_split, expert_split, head_split
 from safeserve.moe.dispatch.base import Dispatcher
@@ -111,7 +112,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         if self.qkv_weight is not None:
-            qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+            qkv = linear(x, self.qkv_weight, self.qkv_bias)
         else:
             qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         k_cache, v_cache = kv_cache
@@ -129,7 +130,7 @@ class Attention(nn.Module):
             meta.slot_mapping,
         )
         out = attend(q, kv_cache, meta, self.scale)
-        out = self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        out = linear(out.reshape(t, self.num_heads * self.head_dim), self.o_proj.weight)
         if self.reduce:
             out = self.comm.all_reduce(out)
         if self.o_bias is not None:

@@ -85,6 +85,7 @@ def _kernel_paths_on() -> None:
 
 def _launch_everything() -> None:
     from safeserve.kernels import fused_moe as fm
+    from safeserve.kernels import linear as lin
     from safeserve.kernels import moe_config as mc
     from safeserve.kernels import norm_rope as nr
     from safeserve.kernels import paged_attention as pa
@@ -139,6 +140,15 @@ def _launch_everything() -> None:
                 torch.zeros(e, dtype=torch.int64),
                 skew=skew,
             )
+    for n_out, n_in in ((5120, 2048), (2048, 4096)):  # q|k|v and o_proj at their plans
+        for dtype in (bf16, torch.float32):
+            lin.linear(torch.empty(1, n_in, dtype=dtype), torch.empty(n_out, n_in, dtype=dtype))
+    lin.skinny_linear(  # one K slice (no counter), with a bias
+        torch.empty(2, 64, dtype=bf16),
+        torch.empty(48, 64, dtype=bf16),
+        torch.empty(48, dtype=bf16),
+        plan=(16, 64, 1),
+    )
     for pairs in (64, 5000):  # one program; count + scatter
         moe_align(torch.zeros(pairs, 1, dtype=torch.int32), e, 64)
     # The fused MoE at every entry of the shipped H200 table, with its own token count.
