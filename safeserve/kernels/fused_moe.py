@@ -322,6 +322,7 @@ class MoeLaunch:
             part,
             counters,
             self.num_tokens,
+            w2.shape[0],
             self.hidden,
             self.inter,
             cache.stride(0),

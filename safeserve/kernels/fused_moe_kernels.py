@@ -218,6 +218,7 @@ if HAS_TRITON:
         part_ptr,
         sync_ptr,
         num_tokens,
+        num_experts,
         N,
         K,
         stride_am,
@@ -247,9 +248,11 @@ if HAS_TRITON:
 
         With USE_PDL this kernel is launched while the gate/up kernel still runs and waits for it
         (its programs are resident when gate/up ends); with PDL_PREFETCH (only with USE_PDL) it
-        first asks L2 for its weight slices. Those reads come before the wait: the weights are
-        constant, and the ids were written by the router, which completed before gate/up's
-        programs, each after its own wait, let this launch start.
+        first asks L2 for its weight slices. Those reads come before the wait, so the ids they
+        read may be the previous step's: every launch lets its dependent start before it waits
+        itself (`safeserve.kernels.common`), so the router may still be running. The prefetch is
+        only a hint (the ids are read again after the wait), and the ids it uses are clamped to
+        the experts so that every prefetched address lies inside w.
         """
         pid = tl.program_id(0)
         group = pid % SPLIT
@@ -264,7 +267,7 @@ if HAS_TRITON:
             line_k = tl.minimum(tl.arange(0, K_LINES) * LINE_ELEMS, K - 1)
             for j in tl.static_range(TOP_K):
                 e = tl.sum(tl.where(slots == j, pre_ids.to(tl.int32), 0), axis=0)
-                if e >= 0:
+                if (e >= 0) & (e < num_experts):
                     pf = w_ptr + e.to(tl.int64) * stride_we + (offs_n % N)[:, None] * stride_wn
                     _prefetch_l2(pf + line_k[None, :])
         pdl_wait(USE_PDL)
