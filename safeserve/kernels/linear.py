@@ -39,13 +39,6 @@ _BLOCK_M = 16
 # Bytes of weight one program holds (its whole tile, loaded before the wait): 64 KiB was the
 # best tile for both q|k|v and o_proj in the H200 sweep (kernels/bench_linear.py --sweep).
 _TILE_BYTES = 64 << 10
-_ENABLED = True
-
-
-def set_skinny_linear(enabled: bool) -> None:
-    """Whether `linear` takes the kernel for decode-sized batches (else always `F.linear`)."""
-    global _ENABLED
-    _ENABLED = enabled
 
 
 def skinny_plan(n: int, k: int, sms: int = 132, elt: int = 2) -> tuple[int, int, int]:
@@ -66,8 +59,7 @@ def _next_pow2(v: int) -> int:
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ w[N, K].T (+ bias [N]) in x's dtype (float32 accumulation)."""
     if (
-        not _ENABLED
-        or not use_kernels(x)
+        not use_kernels(x)
         or x.dim() != 2
         or not 0 < x.shape[0] <= SKINNY_MAX_ROWS
         or w.stride(1) != 1
