@@ -1,0 +1,126 @@
+"""The memory floor: the read ceiling, the experts each step routed to, what a decode step reads."""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_read_ceiling(device: torch.device, gib: float, repeats: int = 10) -> float:
+    """Bytes/s of a large bf16 sum (reads every byte once): the HBM (or DRAM) read ceiling."""
+    n = int(gib * (1 << 30)) // 2
+    x = torch.empty(n, dtype=torch.bfloat16, device=device)
+    x.uniform_(-1, 1)  # never time on zeros
+    times = []
+    for i in range(repeats + 2):
+        _sync(device)
+        t0 = time.perf_counter()
+        x.sum(dtype=torch.float32)
+        _sync(device)
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    del x
+    return n * 2 / statistics.median(times)
+
+
+class RoutingProbe:
+    """Reads which experts each MoE layer's router chose in the last step.
+
+    Forward hooks see eager steps; a CUDA graph's replays run no Python, so the hooks also keep,
+    per graph and bucket, the router outputs recorded while it was captured: their memory is the
+    graph's and holds each replay's routing. The runner captures its decode graphs first
+    (`runner.cuda_graphs` is set once they all are), then its piecewise graphs (whose token
+    buckets overlap the decode batch buckets): a step reads the record of what ran it.
+    """
+
+    def __init__(self, model: torch.nn.Module, num_experts: int, runner: Any = None) -> None:
+        self.runner = runner
+        self.num_experts = num_experts
+        self.eager: dict[int, torch.Tensor] = {}
+        self.captured: dict[str, dict[int, dict[int, torch.Tensor]]] = {
+            "decode": {},
+            "piecewise": {},
+        }
+        self.handles = []
+        moe = [layer for layer in model.layers if layer.is_moe]
+        for i, layer in enumerate(moe):
+            self.handles.append(layer.mlp.gate.register_forward_hook(self._hook(i)))
+        self.num_layers = len(moe)
+
+    def _hook(self, index: int) -> Callable:
+        def hook(module: torch.nn.Module, inputs: Any, output: Any) -> None:
+            ids = output.topk_ids
+            if ids.is_cuda and torch.cuda.is_current_stream_capturing():
+                kind = (
+                    "decode" if getattr(self.runner, "cuda_graphs", None) is None else "piecewise"
+                )
+                self.captured[kind].setdefault(ids.shape[0], {})[index] = ids
+            else:
+                self.eager[index] = ids
+
+        return hook
+
+    def experts_read(self, batch: int, graph_bucket: int | None) -> list[int]:
+        """Distinct experts of each MoE layer among the real `batch` rows of the last step."""
+        from safeserve.engine.cuda_graph import smallest_bucket
+
+        piecewise = getattr(self.runner, "piecewise", None)
+        if graph_bucket is not None:
+            src = self.captured["decode"][graph_bucket]
+        elif piecewise is not None and piecewise.can_run(batch):  # one token per sequence
+            src = self.captured["piecewise"][smallest_bucket(piecewise.buckets, batch)]
+        else:
+            src = self.eager
+        ids = torch.stack([src[i][:batch] for i in range(self.num_layers)])  # [L, B, k]
+        flat = ids.reshape(self.num_layers, -1)
+        seen = torch.zeros(self.num_layers, self.num_experts + 1, dtype=torch.bool)
+        # -1 (no expert) lands in the extra last column, which is not counted.
+        seen.scatter_(1, flat.cpu().where(flat.cpu() >= 0, self.num_experts), True)
+        return seen[:, : self.num_experts].sum(dim=1).tolist()
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+@dataclasses.dataclass
+class ModelBytes:
+    """What one decode step must read, by part."""
+
+    dense: int  # every weight except the experts and the embedding table
+    embed_row: int  # one embedding row (a step reads B of them)
+    expert: int  # one expert of one layer (gate + up + down)
+    kv_token: int  # K and V of one token over all layers
+
+    @staticmethod
+    def of(runner: Any) -> ModelBytes:
+        model = runner.model
+        expert_ids: set[int] = set()
+        expert_bytes = 0
+        for layer in model.layers:
+            if layer.is_moe:
+                ex = layer.mlp.experts
+                expert_ids.update({id(ex.w13), id(ex.w2)})
+                expert_bytes = (ex.w13[0].numel() + ex.w2[0].numel()) * ex.w13.element_size()
+        embed = model.embed_tokens.weight
+        tied = model.lm_head.weight is embed
+        dense = 0
+        seen: set[int] = set()
+        for p in model.parameters():
+            if id(p) in seen or id(p) in expert_ids or (p is embed and not tied):
+                continue
+            seen.add(id(p))
+            dense += p.numel() * p.element_size()
+        k_cache = runner.kv.layers[0][0]
+        kv_token = 2 * len(runner.kv.layers) * k_cache[0].numel() * k_cache.element_size()
+        return ModelBytes(dense, embed[0].numel() * embed.element_size(), expert_bytes, kv_token)
