@@ -10,9 +10,11 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
+from torch.overrides import TorchFunctionMode
 
 from safeserve.config import TINY_MODEL
 from safeserve.engine.parallel import Comm, Layout
@@ -77,9 +79,9 @@ def build_model(
     layout = layout or Layout()
     comm = comm or Comm(layout, torch.device(device))
     torch_dtype = DTYPES[dtype]
-    with torch.device("meta"):
+    with torch.device("meta"), _NoInitOnMeta():
         net = Qwen3MoeForCausalLM(cfg, layout, comm, dispatcher)
-    net = net.to_empty(device=device).to(torch_dtype)
+    net = _to_empty(net, device).to(torch_dtype)
     # Buffers are not parameters: recompute them on the real device.
     net.rotary.__init__(cfg.head_dim, cfg.rope_theta)  # type: ignore[misc]
     net.rotary.to(device)
@@ -101,6 +103,39 @@ def build_model(
         load_safetensors(params, specs, Path(model), cfg)
     net.eval()
     return net
+
+
+class _NoInitOnMeta(TorchFunctionMode):
+    """Building the model on the meta device without the work that is thrown away: every
+    parameter and buffer is replaced by `to_empty` and filled (weights) or recomputed (rotary
+    and router buffers) on the real device afterwards. So the modules' own random
+    initialisation (`nn.Embedding`, `nn.Linear`) is skipped, and index ranges (`arange`, a few
+    elements) are made on the CPU: on meta tensors `normal_` and arithmetic such as the rotary
+    frequencies run Python decompositions whose first call imports `torch._dynamo`, about 2 s
+    of every rank's start-up."""
+
+    FILLS = (torch.nn.init.normal_, torch.nn.init.uniform_, torch.nn.init.kaiming_uniform_)
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func in self.FILLS:
+            tensor = args[0] if args else kwargs["tensor"]
+            if tensor.is_meta:
+                return tensor
+        if func is torch.arange and kwargs.get("device") is None:
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
+
+
+def _to_empty(net: torch.nn.Module, device: str | torch.device) -> torch.nn.Module:
+    """`net.to_empty(device=device)` through `torch.empty_strided` (the same sizes, strides and
+    dtype as `empty_like`): `empty_like` of a meta tensor runs a Python decomposition whose
+    first call imports sympy, about 1 s of every rank's start-up."""
+    return net._apply(
+        lambda t: torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device)
+    )
 
 
 @torch.no_grad()

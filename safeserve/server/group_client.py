@@ -143,10 +143,15 @@ class GroupClient:
         # First: the watchdog must not read an orderly exit as a death.
         if self.state is not GroupState.FAILED:
             self.state = GroupState.STOPPED
-        with contextlib.suppress(zmq.ZMQError):
+        try:
             await self._req.send(pickle.dumps(Shutdown()), flags=zmq.NOBLOCK)
+            grace = 5.0
+        except zmq.ZMQError:
+            # No leader connected to read it (still loading, or gone): nothing will shut the
+            # ranks down in order, so waiting out the grace period would only delay the kill.
+            grace = 0.0
         loop = asyncio.get_running_loop()
-        deadline = time.monotonic() + 5.0
+        deadline = time.monotonic() + grace
         for p in self.processes:
             await loop.run_in_executor(None, p.join, max(0.1, deadline - time.monotonic()))
         self.kill_all()

@@ -143,11 +143,11 @@ name = "kill-one-rank"
 concurrency = 8
 prompt_tokens = 16
 max_tokens = 16
-duration_s = 45
-warmup_s = 4
+duration_s = 34
+warmup_s = 3
 ramp_s = 2
 [[faults]]
-at_s = 10
+at_s = 8
 action = "sigkill"
 group = 0
 rank = 1
