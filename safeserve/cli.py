@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from safeserve.chaos.cli import add_chaos_args
@@ -23,10 +24,11 @@ def _serve(ns: argparse.Namespace) -> int:
         return 2
     import uvicorn
 
-    from safeserve.engine.parallel import Layout
-    from safeserve.kernels.moe_config import ConfigTableError, check_override_table
+    # No torch in these (the ranks import it; reading a checkpoint's safetensors headers does
+    # too): the frontend starts, and refuses bad flags, without its seconds of import.
+    from safeserve.engine.layout import Layout
+    from safeserve.model.checkpoint import LoadError, check_checkpoint, load_model_config
     from safeserve.model.config import ModelConfigError
-    from safeserve.model.loader import LoadError, check_checkpoint, load_model_config
     from safeserve.model.sharding import LayoutError, check_layout
     from safeserve.model.tokenizer import TokenizerError
     from safeserve.server.app import build_app
@@ -38,7 +40,9 @@ def _serve(ns: argparse.Namespace) -> int:
             check_layout(cfg, Layout(rank, args.tp_size, args.ep_size, args.enable_dp_attention))
         if args.model != TINY_MODEL and args.load_format != "dummy":
             check_checkpoint(args.model, cfg)
-        check_override_table()
+        if (table_error := _fused_moe_table_error()) is not None:
+            print(f"safeserve: error: {table_error}", file=sys.stderr)
+            return 2
         if args.device == "cuda":
             import torch
 
@@ -50,7 +54,7 @@ def _serve(ns: argparse.Namespace) -> int:
                     f"--num-groups {args.num_groups} x --tp-size {args.tp_size} needs CUDA devices "
                     f"up to index {needed - 1}; {torch.cuda.device_count()} visible"
                 )
-    except (ModelConfigError, LoadError, LayoutError, ConfigTableError) as e:
+    except (ModelConfigError, LoadError, LayoutError) as e:
         print(f"safeserve: error: {e}", file=sys.stderr)
         return 2
 
@@ -79,6 +83,20 @@ def _serve(ns: argparse.Namespace) -> int:
     server = uvicorn.Server(config)
     server.run()
     return 1 if fatal else 0
+
+
+def _fused_moe_table_error() -> str | None:
+    """Why the fused-MoE table that SAFESERVE_FUSED_MOE_CONFIG names cannot be used; None when
+    it can or none is named. Its module imports torch, so only where the variable is set."""
+    if not os.environ.get("SAFESERVE_FUSED_MOE_CONFIG"):
+        return None
+    from safeserve.kernels.moe_config import ConfigTableError, check_override_table
+
+    try:
+        check_override_table()
+    except ConfigTableError as e:
+        return str(e)
+    return None
 
 
 def _chaos(ns: argparse.Namespace) -> int:

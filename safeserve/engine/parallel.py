@@ -1,4 +1,4 @@
-"""The layout of one group's ranks, and the collectives the model uses.
+"""The collectives the model uses (`Layout`, who a rank is in its group, is in `layout.py`).
 
 A group of `tp_size` ranks forms its own `torch.distributed` world (gloo on CPU, NCCL on GPU),
 plus a gloo group on which the leader broadcasts each step's plan. Expert parallelism splits the
@@ -12,49 +12,14 @@ import datetime
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from safeserve.engine.layout import Layout
+
 # A collective is never waited out: the watchdog fences a group long before this.
 _COLLECTIVE_TIMEOUT = datetime.timedelta(hours=2)
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Who this rank is in its group; the same numbers on every rank but `rank`."""
-
-    rank: int = 0
-    tp_size: int = 1
-    ep_size: int = 1
-    dp_attention: bool = False
-
-    @property
-    def moe_tp_size(self) -> int:
-        return self.tp_size // self.ep_size
-
-    @property
-    def ep_rank(self) -> int:
-        return self.rank // self.moe_tp_size
-
-    @property
-    def moe_tp_rank(self) -> int:
-        return self.rank % self.moe_tp_size
-
-    @property
-    def attn_tp_size(self) -> int:
-        """Ranks that split one attention computation (1 with attention data-parallel)."""
-        return 1 if self.dp_attention else self.tp_size
-
-    @property
-    def attn_tp_rank(self) -> int:
-        return 0 if self.dp_attention else self.rank
-
-    @property
-    def dp_size(self) -> int:
-        """Independent attention groups: each holds its own requests and KV cache."""
-        return self.tp_size if self.dp_attention else 1
 
 
 class Comm:

@@ -10,12 +10,14 @@ same full shapes, so random (dummy) weights and checkpoint weights shard the sam
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-
-from safeserve.engine.parallel import Layout
+from safeserve.engine.layout import Layout
 from safeserve.model.config import ModelConfig
 from safeserve.moe.placement import ExpertPlacement
+
+if TYPE_CHECKING:  # the frontend checks layouts without importing torch
+    import torch
 
 
 class LayoutError(ValueError):
@@ -107,6 +109,8 @@ class ExpertSlice:
     is_w13: bool
 
     def apply(self, full: torch.Tensor) -> torch.Tensor:
+        import torch
+
         experts = full[self.e0 : self.e1]
         if self.is_w13:
             return torch.cat(

@@ -19,7 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from safeserve.config import ServerArgs
-from safeserve.model.loader import load_model_config
+from safeserve.model.checkpoint import load_model_config
 from safeserve.model.tokenizer import Tokenizer, TokenizerError, load_tokenizer
 from safeserve.moe.eplb.balancedness import WINDOWS as BALANCE_WINDOWS
 from safeserve.moe.eplb.balancedness import group_balancedness
