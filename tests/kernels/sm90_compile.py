@@ -162,6 +162,10 @@ def _launch_everything() -> None:
         ids = torch.zeros(tokens, k, dtype=torch.int32)
         weights = torch.empty(tokens, k, dtype=torch.float32)
         fm.fused_moe(torch.empty(tokens, h, dtype=bf16), w13, w2, weights, ids, config=cfg)
+    # the pair plan's optional L2 prefetch of the down weights before its wait ("pdl": true)
+    ids = torch.zeros(1, k, dtype=torch.int32)
+    pair = {**table[min(table)], "pdl": True}
+    fm.fused_moe(torch.empty(1, h, dtype=bf16), w13, w2, torch.empty(1, k), ids, config=pair)
     # float32 (the engine's correctness runs on CUDA): the heuristic configs, tiles shrunk to fit
     w13f, w2f = w13[:16, :, :256].float(), w2[:16, :256, :].float()
     for tokens in (1, 64):
