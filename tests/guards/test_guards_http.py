@@ -164,6 +164,19 @@ def _rank_pids(server) -> dict[int, int]:
     return {r["rank"]: r["pid"] for r in g["ranks"]}
 
 
+def _wait_generating(server, n: int, timeout: float = 60.0) -> None:
+    """Until group 0 runs n requests and has generated tokens: the load is decoding."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        m = _metrics(server)
+        running = m.get(("safeserve:num_requests_running", 'group="0"'), 0)
+        tokens = m.get(("safeserve:generation_tokens_total", 'group="0"'), 0)
+        if running == n and tokens >= n:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{n} requests not generating within {timeout} s")
+
+
 def _wait_verdict(server, kind: str, timeout: float) -> dict:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -202,7 +215,7 @@ def test_stopped_or_killed_rank_is_named_and_fenced(
     pids = _rank_pids(s)
     results: list = []
     threads = _load(s, results)
-    time.sleep(1.5)  # requests are generating
+    _wait_generating(s, 4)
     t0 = time.monotonic()
     os.kill(pids[1], sig)
     verdict = _wait_verdict(s, kind, limit + 1.0)
@@ -241,8 +254,9 @@ def test_slow_rank_is_reported_not_fenced(server_factory) -> None:
         ]
     )
     results: list = []
-    threads = _load(s, results, n=2, max_tokens=300)
-    time.sleep(1.0)
+    # Each of the slow steps takes a second: the requests outlast the verdict by far.
+    threads = _load(s, results, n=2, max_tokens=150)
+    _wait_generating(s, 2)
     _fault(s, {"kind": "slow_rank", "group": 0, "rank": 1, "delay_s": 1.0})
     verdict = _wait_verdict(s, "slow", 20.0)
     assert verdict["rank"] == 1 and verdict["state"] == "READY"
