@@ -87,7 +87,7 @@ def _serve(ns: argparse.Namespace) -> int:
 
 def _fused_moe_table_error() -> str | None:
     """Why the fused-MoE table that SAFESERVE_FUSED_MOE_CONFIG names cannot be used; None when
-    it can or none is named. Its module imports torch, so only where the variable is set."""
+    it can or none is named."""
     if not os.environ.get("SAFESERVE_FUSED_MOE_CONFIG"):
         return None
     from safeserve.kernels.moe_config import ConfigTableError, check_override_table

@@ -14,8 +14,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-import torch
-
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
 Config = dict[str, Any]
@@ -163,6 +161,8 @@ def get_config(
 ) -> Config:
     """Tuned config for this shape/device, nearest by token count; else `default_config`."""
     if device_name is None:
+        import torch  # here only: `serve` checks a table in its frontend, which has no torch
+
         device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     directory = Path(config_dir) if config_dir is not None else CONFIG_DIR
     env_file = os.environ.get("SAFESERVE_FUSED_MOE_CONFIG")
