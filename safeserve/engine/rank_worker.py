@@ -4,6 +4,7 @@ frontend over ZeroMQ: requests and aborts in, step outputs out, heartbeats on th
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
@@ -99,8 +100,13 @@ def _setup(args: ServerArgs, group: int, rank: int) -> None:
 
 def _fatal(out: zmq.Socket, group: int, rank: int, what: str, e: BaseException) -> None:
     logger.error("%s: %s", what, traceback.format_exc())
-    out.send(pickle.dumps(GroupFatal(group, rank, f"{what}: {type(e).__name__}: {e}")))
-    out.close(linger=2000)
+    msg = pickle.dumps(GroupFatal(group, rank, f"{what}: {type(e).__name__}: {e}"))
+    # os._exit ends ZeroMQ's I/O thread too: wait (at most 2 s) until it has handed the message
+    # to the socket, or the frontend would learn of the death but not its reason.
+    tracker = out.send(msg, copy=False, track=True)
+    with contextlib.suppress(zmq.NotDone):
+        tracker.wait(2.0)
+    out.close(linger=0)
     os._exit(1)
 
 
