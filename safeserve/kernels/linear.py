@@ -20,11 +20,14 @@ it was faster in the engine; at 16 it was not.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 from safeserve.kernels.common import (
     HAS_TRITON,
+    next_power_of_2,
     pdl_supported,
     pdl_wait,
     tl,
@@ -46,14 +49,10 @@ def skinny_plan(n: int, k: int, sms: int = 132, elt: int = 2) -> tuple[int, int,
     program (SPLIT_K = K / BLOCK_K), K tiles of 512 from K = 4,096 up (else 256, or K itself
     when smaller); 128 columns where that still gives two programs per SM, else 64; narrower
     where the tile would pass `_TILE_BYTES`. H200 sweep: q|k|v (128, 256, 8), o_proj (64, 512, 8)."""
-    block_k = max(16, min(_next_pow2(k), 512 if k >= 4096 else 256))
+    block_k = max(16, min(next_power_of_2(k), 512 if k >= 4096 else 256))
     split = -(-k // block_k)
     block_n = 128 if -(-n // 128) * split >= 2 * sms else 64
     return max(16, min(block_n, _TILE_BYTES // (block_k * elt))), block_k, split
-
-
-def _next_pow2(v: int) -> int:
-    return 1 if v <= 1 else 1 << (v - 1).bit_length()
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -132,8 +131,13 @@ def skinny_linear(
 
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
-        return 132
-    return torch.cuda.get_device_properties(device).multi_processor_count
+        return 132  # Triton's interpreter: an H100/H200's count, so plans match theirs
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 if HAS_TRITON:

@@ -81,9 +81,9 @@ class Router(torch.nn.Module):
             logits, self.top_k, self.renormalize, hidden_states.dtype
         )
         if self._skew_expert is not None:
-            # Fault injection: every token picks the experts starting at one (the worst skew).
-            skewed = (
-                self._skew_expert + torch.arange(self.top_k, device=logits.device)
-            ) % logits.shape[-1]
-            logical_ids = skewed.expand_as(logical_ids)
+            # Fault injection: every token picks the experts starting at one (the worst skew),
+            # as the kernels do it.
+            from safeserve.kernels.topk_softmax import skew_ids
+
+            logical_ids = skew_ids(logical_ids, self.skew, logits.shape[-1])
         return TopKOutput(self.logical_to_physical[logical_ids], weights, logits)
