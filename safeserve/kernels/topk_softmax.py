@@ -29,14 +29,6 @@ def topk_softmax_torch(
     return weights, ids.to(torch.int32)
 
 
-def skew_ids(ids: torch.Tensor, skew: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Reference of the kernels' skew: where skew[0] >= 0, every row's ids become
-    skew, skew + 1, ... (mod num_experts); else `ids` unchanged. No host synchronisation."""
-    top_k = ids.shape[-1]
-    skewed = (skew + torch.arange(top_k, device=ids.device)) % num_experts
-    return torch.where(skew >= 0, skewed.to(ids.dtype).expand_as(ids), ids)
-
-
 if HAS_TRITON:
 
     @triton.jit
@@ -278,11 +270,13 @@ def fused_topk_softmax(
     ([E] int64, logical -> physical), the mapped ids as int64, mapped inside the same kernel.
     `skew` ([1] int64 on the device): where it holds an expert id e >= 0, every row's ids
     are e, e + 1, ... (mod E) instead (fault injection), read on the device at run time.
-    Reference: `topk_softmax_torch` (+ `skew_ids`).
+    Reference: `topk_softmax_torch` (+ `safeserve.moe.topk.skew_ids`).
     """
     if not use_kernels(router_logits):
         weights, ids = topk_softmax_torch(router_logits, top_k, renormalize)
         if skew is not None:
+            from safeserve.moe.topk import skew_ids
+
             ids = skew_ids(ids, skew, router_logits.shape[-1])
         if expert_map is not None:
             ids = expert_map[ids.to(torch.int64)]

@@ -28,6 +28,14 @@ def softmax_topk(
     return weights.to(out_dtype), ids
 
 
+def skew_ids(ids: torch.Tensor, skew: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Route skew (fault injection), as the router kernels apply it: where skew[0] >= 0, every
+    row's ids become skew, skew + 1, ... (mod num_experts); else `ids` unchanged. No host sync."""
+    top_k = ids.shape[-1]
+    skewed = (skew + torch.arange(top_k, device=ids.device)) % num_experts
+    return torch.where(skew >= 0, skewed.to(ids.dtype).expand_as(ids), ids)
+
+
 class Router(torch.nn.Module):
     """Qwen3-MoE gate: a bias-free linear to expert logits, softmax, top-k."""
 
@@ -83,7 +91,5 @@ class Router(torch.nn.Module):
         if self._skew_expert is not None:
             # Fault injection: every token picks the experts starting at one (the worst skew),
             # as the kernels do it.
-            from safeserve.kernels.topk_softmax import skew_ids
-
             logical_ids = skew_ids(logical_ids, self.skew, logits.shape[-1])
         return TopKOutput(self.logical_to_physical[logical_ids], weights, logits)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from safeserve.kernels import common
 from safeserve.kernels import topk_softmax as tk
+from safeserve.moe.topk import skew_ids
 
 HAS_CUDA = torch.cuda.is_available() and tk.HAS_TRITON
 INTERPRET = tk.HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1"
@@ -181,7 +182,7 @@ def _skew_check(tokens: int, experts: int, device: str, dtype: torch.dtype) -> N
         want = emap[(e + torch.arange(4, device=device)) % experts].expand(tokens, 4)
         assert torch.equal(ids, want.to(ids.dtype)), (e, ids.tolist())
         assert torch.equal(weights, plain[0]) and torch.equal(logits, plain[2])
-        ref = tk.skew_ids(plain[1].new_zeros(tokens, 4), skew, experts)
+        ref = skew_ids(plain[1].new_zeros(tokens, 4), skew, experts)
         assert torch.equal(emap[ref.long()], want)
 
 
@@ -233,7 +234,7 @@ def test_router_skew_setting_reaches_its_device_tensor() -> None:
     router.skew_expert = 14
     assert router.skew.tolist() == [14] and router.skew_expert == 14
     skewed = router(x)
-    want = router.logical_to_physical[tk.skew_ids(plain.topk_ids, router.skew, 16)]
+    want = router.logical_to_physical[skew_ids(plain.topk_ids, router.skew, 16)]
     assert torch.equal(skewed.topk_ids, want)
     assert want[0].tolist() == router.logical_to_physical[[14, 15, 0, 1]].tolist()
     assert torch.equal(skewed.topk_weights, plain.topk_weights)
