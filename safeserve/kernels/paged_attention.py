@@ -8,8 +8,10 @@ sequence lives in slot `block_tables[b, p // block_size] * block_size + p % bloc
 * `paged_decode` attends one query token per sequence over its whole context, read straight
   through the block table (flash-decoding): programs are (sequence, kv head, split of the
   context); each holds all query heads of its kv head as one row tile (GQA) and keeps an online
-  softmax; a second kernel merges the splits. A sequence with context 0 gets zeros. Every grid
-  and buffer depends on shapes only, so a decode step can be captured in a CUDA graph.
+  softmax. One launch: where a context spans several splits, the last of them to finish (an
+  arrival counter per sequence and kv head) merges them. A sequence with context 0 gets zeros.
+  Every grid and buffer depends on shapes only, so a decode step can be captured in a CUDA
+  graph.
 
 The torch references (`store_kv_torch`, `paged_decode_torch`) are the oracles of the GPU tests;
 CPU runs never reach the kernels (unless TRITON_INTERPRET=1). The kernels themselves are in
@@ -26,12 +28,12 @@ from safeserve.kernels.common import (
     pdl_supported,
     triton,
     use_kernels,
+    zeroed_counters,
 )
 
 if HAS_TRITON:
     from safeserve.kernels.paged_attention_kernels import (
         _decode_kernel,
-        _merge_kernel,
         _store_kv_kernel,
     )
 
@@ -39,11 +41,14 @@ if HAS_TRITON:
 # per multiprocessor on an H100/H200), which sets how finely a short batch splits its contexts.
 _BLOCK_N = 64
 _TARGET_PROGRAMS = 512
-# Splits the merge kernel reads per pass (a loop takes more). Fixed, as one split or many is a
-# runtime branch of the decode kernel (num_splits is not specialized): eager decode steps of any
-# batch and context, and every graph bucket, use one compiled variant of each kernel, so a step
-# of a new shape never stops to compile one.
+# Splits whose maxima the merge reads per pass (a loop takes more). Fixed, as one split or many
+# is a runtime branch of the decode kernel (num_splits is not specialized): eager decode steps of
+# any batch and context, and every graph bucket, use one compiled variant of each kernel, so a
+# step of a new shape never stops to compile one.
 _MERGE_BLOCK = 64
+# Partial-sum elements the merge loads at once ([heads, splits, head dim]): as many splits per
+# pass as fit, so the few splits a context holds are read in one or two passes.
+_MERGE_TILE = 8192
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,7 +161,9 @@ def paged_decode(
     """Decode attention over the paged cache: q [B, Hq, D] -> [B, Hq, D].
 
     block_tables [B, W] int32 (W * block_size bounds every context); context_lens [B] int32,
-    the tokens in the cache including this step's. No host synchronisation.
+    the tokens in the cache including this step's. No host synchronisation. Its arrival
+    counters (`zeroed_counters`, batch x kv heads words) are never allocated inside a CUDA-graph
+    capture: run a batch at least as large once eagerly before capturing.
     """
     if not use_kernels(q):
         return paged_decode_torch(
@@ -178,45 +185,12 @@ def paged_decode(
     g_pad = max(16, next_power_of_2(group))
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     pdl = pdl_supported(q.device)
-    common = dict(
-        HEAD_DIM=head_dim,
-        D_PAD=d_pad,
-        GROUP=group,
-        G_PAD=g_pad,
-        BLOCK_N=_BLOCK_N,
-        PAGE=block_size,
-        DOT_PRECISION=precision,
-        WHILE_LOOP=not q.is_cuda,
-        USE_PDL=pdl,
-        num_warps=4,
-        num_stages=2,
-        launch_pdl=pdl,
-    )
-    if splits == 1:
-        _decode_kernel[(batch, num_kv_heads, 1)](
-            q,
-            k_cache,
-            v_cache,
-            block_tables,
-            context_lens,
-            out,
-            out,
-            out,
-            scale,
-            split_len,
-            q.stride(0),
-            q.stride(1),
-            k_cache.stride(0),
-            k_cache.stride(1),
-            block_tables.stride(0),
-            out.stride(0),
-            out.stride(1),
-            1,
-            **common,
-        )
-        return out
-    acc = torch.empty(batch, num_heads, splits, d_pad, dtype=torch.float32, device=q.device)
-    stats = torch.empty(batch, num_heads, splits, 2, dtype=torch.float32, device=q.device)
+    if splits > 1:
+        acc = torch.empty(batch, num_heads, splits, d_pad, dtype=torch.float32, device=q.device)
+        stats = torch.empty(batch, num_heads, splits, 2, dtype=torch.float32, device=q.device)
+    else:  # not read; float32 all the same, so one split or many is one compiled variant
+        acc = stats = torch.empty(0, dtype=torch.float32, device=q.device)
+    sync = zeroed_counters(q.device, batch * num_kv_heads, "paged_decode")
     _decode_kernel[(batch, num_kv_heads, splits)](
         q,
         k_cache,
@@ -226,6 +200,7 @@ def paged_decode(
         out,
         acc,
         stats,
+        sync,
         scale,
         split_len,
         q.stride(0),
@@ -236,22 +211,19 @@ def paged_decode(
         out.stride(0),
         out.stride(1),
         splits,
-        **common,
-    )
-    _merge_kernel[(batch, num_heads)](
-        acc,
-        stats,
-        context_lens,
-        out,
-        split_len,
-        splits,
-        out.stride(0),
-        out.stride(1),
         HEAD_DIM=head_dim,
         D_PAD=d_pad,
+        GROUP=group,
+        G_PAD=g_pad,
+        BLOCK_N=_BLOCK_N,
+        PAGE=block_size,
+        DOT_PRECISION=precision,
         S_BLOCK=_MERGE_BLOCK,
+        S_CHUNK=max(2, _MERGE_TILE // (g_pad * d_pad)),
+        WHILE_LOOP=not q.is_cuda,
         USE_PDL=pdl,
         num_warps=4,
+        num_stages=2,
         launch_pdl=pdl,
     )
     return out

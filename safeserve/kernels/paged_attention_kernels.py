@@ -1,8 +1,8 @@
 """The Triton kernels of paged attention (`safeserve.kernels.paged_attention` launches them):
-the KV-cache store, the decode kernel (one program per sequence, kv head and split of the
+the KV-cache store and the decode kernel (one program per sequence, kv head and split of the
 context; `_decode_tile` is one tile of its online softmax, shared with the prefill kernel of
-`safeserve.kernels.paged_prefill`) and the merge of the splits. Defined only where Triton is
-installed.
+`safeserve.kernels.paged_prefill`; `_merge_splits` is the merge that the last split of a kv head
+to finish runs). Defined only where Triton is installed.
 """
 
 from __future__ import annotations
@@ -95,6 +95,65 @@ if HAS_TRITON:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         return m_new, l_i, acc
 
+    @triton.jit
+    def _merge_splits(
+        acc_ptr,
+        stats_ptr,
+        out_ptr,
+        base,
+        g_ok,
+        o_ptrs,
+        used,
+        D_PAD: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        G_PAD: tl.constexpr,
+        S_BLOCK: tl.constexpr,
+        S_CHUNK: tl.constexpr,
+    ):
+        """Merges splits 0..used-1 of a kv head's query heads (rows `base + s` of the partials)
+        into `o_ptrs`: each split's sum rescaled to the largest max, over the total l. The
+        splits are taken in a fixed order, so the result does not depend on which program
+        merges. Reads bypass L1 (.cg): other programs wrote them."""
+        d = tl.arange(0, D_PAD)
+        # while, not range(): the interpreter cannot take a loaded bound
+        m = tl.full([G_PAD, S_BLOCK], float("-inf"), dtype=tl.float32)
+        s0 = 0
+        while s0 < used:
+            s = s0 + tl.arange(0, S_BLOCK)
+            ok = g_ok[:, None] & (s < used)[None, :]
+            m_s = tl.load(
+                stats_ptr + (base[:, None] + s[None, :]) * 2,
+                mask=ok,
+                other=float("-inf"),
+                cache_modifier=".cg",
+            )
+            m = tl.maximum(m, m_s)
+            s0 += S_BLOCK
+        m_max = tl.where(g_ok, tl.max(m, axis=1), 0.0)  # padding heads: no -inf - -inf
+        l_tot = tl.zeros([G_PAD], dtype=tl.float32)
+        o = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
+        s0 = 0
+        while s0 < used:  # S_CHUNK splits of every head at once: [G_PAD, S_CHUNK, D_PAD]
+            s = s0 + tl.arange(0, S_CHUNK)
+            ok = g_ok[:, None] & (s < used)[None, :]
+            rows = base[:, None] + s[None, :]
+            m_s = tl.load(stats_ptr + rows * 2, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            l_s = tl.load(stats_ptr + rows * 2 + 1, mask=ok, other=0.0, cache_modifier=".cg")
+            w = tl.where(ok, tl.exp2(m_s - m_max[:, None]), 0.0)
+            l_tot += tl.sum(w * l_s, axis=1)
+            a = tl.load(
+                acc_ptr + rows[:, :, None] * D_PAD + d[None, None, :],
+                mask=ok[:, :, None],
+                other=0.0,
+                cache_modifier=".cg",
+            )
+            o += tl.sum(a * w[:, :, None], axis=1)
+            s0 += S_CHUNK
+        o = o / tl.maximum(l_tot, 1e-30)[:, None]
+        tl.store(
+            o_ptrs, o.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & (d < HEAD_DIM)[None, :]
+        )
+
     # Values that change from step to step are not specialized (Triton would compile a variant
     # per divisibility by 16, or for 1), so a step of a new shape never waits for a compile:
     # the block tables' width (stride_bt) follows the step's longest context.
@@ -108,6 +167,7 @@ if HAS_TRITON:
         out_ptr,
         acc_ptr,
         stats_ptr,
+        sync_ptr,
         scale,
         split_len,
         stride_qb,
@@ -125,9 +185,18 @@ if HAS_TRITON:
         BLOCK_N: tl.constexpr,
         PAGE: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
+        S_BLOCK: tl.constexpr,
+        S_CHUNK: tl.constexpr,
         WHILE_LOOP: tl.constexpr,
         USE_PDL: tl.constexpr,
     ):
+        """Program (b, kvh, s) attends split s of sequence b's context for kv head kvh's GROUP
+        query heads. Where the context spans one split, that program writes the result. Where
+        it spans `used` > 1, each of those programs stores its float32 partial (acc [B, Hq,
+        num_splits, D_PAD], stats [B, Hq, num_splits, 2] = running max, sum) and bumps the
+        (b, kvh) counter of `sync_ptr`; the last of the `used` to arrive merges them
+        (`_merge_splits`) and resets the counter to 0. Programs whose split starts past the
+        context return at once: they never touch the counter."""
         pdl_wait(USE_PDL)
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -140,12 +209,14 @@ if HAS_TRITON:
         g_ok = g < GROUP
         d_ok = d < HEAD_DIM
         heads = kvh * GROUP + g
+        o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
         if lo >= hi:
-            if num_splits == 1:  # context 0: zeros, so padding rows of a graph batch stay finite
-                o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
+            if s == 0:  # context 0: zeros, so padding rows of a graph batch stay finite
                 zero = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
                 tl.store(o_ptrs, zero.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok)
             return
+        # the splits that hold tokens: every program of (b, kvh) computes the same count
+        used = tl.minimum((ctx + split_len - 1) // split_len, num_splits)
         q = tl.load(
             q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
             mask=g_ok[:, None] & d_ok[None, :],
@@ -209,65 +280,31 @@ if HAS_TRITON:
                     DOT_PRECISION,
                     False,
                 )
-        if num_splits == 1:  # one split: the result itself, no merge
+        if used == 1:  # the context is this one split: the result itself, no merge
             o = acc / l_i[:, None]
-            o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
             tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
         else:
-            row = (b * GROUP * tl.num_programs(1) + heads) * num_splits + s
+            base = (b * GROUP * tl.num_programs(1) + heads) * num_splits
+            row = base + s
             tl.store(acc_ptr + row[:, None] * D_PAD + d[None, :], acc, mask=g_ok[:, None])
             tl.store(stats_ptr + row * 2, m_i, mask=g_ok)
             tl.store(stats_ptr + row * 2 + 1, l_i, mask=g_ok)
-
-    @triton.jit(do_not_specialize=["split_len", "num_splits"])
-    def _merge_kernel(
-        acc_ptr,
-        stats_ptr,
-        ctx_ptr,
-        out_ptr,
-        split_len,
-        num_splits,
-        stride_ob,
-        stride_oh,
-        HEAD_DIM: tl.constexpr,
-        D_PAD: tl.constexpr,
-        S_BLOCK: tl.constexpr,
-        USE_PDL: tl.constexpr,
-    ):
-        pdl_wait(USE_PDL)
-        b = tl.program_id(0)
-        h = tl.program_id(1)
-        ctx = tl.load(ctx_ptr + b)
-        used = tl.minimum((ctx + split_len - 1) // split_len, num_splits)
-        d = tl.arange(0, D_PAD)
-        base = (b * tl.num_programs(1) + h) * num_splits
-        # while, not range(): the interpreter cannot take a loaded bound (splits are few anyway)
-        m = tl.full([S_BLOCK], float("-inf"), dtype=tl.float32)
-        s0 = 0
-        while s0 < used:
-            s = s0 + tl.arange(0, S_BLOCK)
-            m_s = tl.load(stats_ptr + (base + s) * 2, mask=s < used, other=float("-inf"))
-            m = tl.maximum(m, m_s)
-            s0 += S_BLOCK
-        m_max = tl.max(m, axis=0)
-        l_tot = 0.0
-        acc = tl.zeros([D_PAD], dtype=tl.float32)
-        s0 = 0
-        while s0 < used:
-            s = s0 + tl.arange(0, S_BLOCK)
-            s_ok = s < used
-            m_s = tl.load(stats_ptr + (base + s) * 2, mask=s_ok, other=float("-inf"))
-            l_s = tl.load(stats_ptr + (base + s) * 2 + 1, mask=s_ok, other=0.0)
-            w = tl.where(s_ok, tl.exp2(m_s - m_max), 0.0)
-            l_tot += tl.sum(w * l_s, axis=0)
-            a = tl.load(
-                acc_ptr + (base + s)[:, None] * D_PAD + d[None, :], mask=s_ok[:, None], other=0.0
-            )
-            acc += tl.sum(a * w[:, None], axis=0)
-            s0 += S_BLOCK
-        o = tl.where(used > 0, acc / tl.maximum(l_tot, 1e-30), 0.0)
-        tl.store(
-            out_ptr + b * stride_ob + h * stride_oh + d,
-            o.to(out_ptr.dtype.element_ty),
-            mask=d < HEAD_DIM,
-        )
+            tl.debug_barrier()  # every thread's partial is issued before the release
+            counter = sync_ptr + b * tl.num_programs(1) + kvh
+            if tl.atomic_add(counter, 1, sem="acq_rel") == used - 1:
+                tl.debug_barrier()
+                _merge_splits(
+                    acc_ptr,
+                    stats_ptr,
+                    out_ptr,
+                    base,
+                    g_ok,
+                    o_ptrs,
+                    used,
+                    D_PAD,
+                    HEAD_DIM,
+                    G_PAD,
+                    S_BLOCK,
+                    S_CHUNK,
+                )
+                tl.atomic_xchg(counter, 0)

@@ -119,7 +119,7 @@ def _launch_everything() -> None:
         out = torch.empty(40, heads, d, dtype=dtype)
         info = torch.tensor([[40, 0, 33], [7, 33, 7]], dtype=torch.int32)
         pp.paged_prefill(out, *caches, torch.zeros(2, 4, dtype=torch.int32), info, 33, 16, 0.1, out)
-        for batch, width in ((1, 4), (64, 256)):  # one split, and a split context + merge
+        for batch, width in ((1, 4), (64, 256)):  # one split; split contexts, merged in-kernel
             q = torch.empty(batch, heads, d, dtype=dtype)
             tables = torch.zeros(batch, width, dtype=torch.int32)
             ctx = torch.ones(batch, dtype=torch.int32)
