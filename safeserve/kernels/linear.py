@@ -15,7 +15,8 @@ the decode step at concurrency 1 3.15 ms against 3.42 with the library GEMM (ker
 
 Entry point: `linear(x, w, bias)` runs the kernel for up to `SKINNY_MAX_ROWS` rows on the kernel
 path and `F.linear` otherwise (and on CPU: the model's CPU path and the test oracle). Up to 8 rows
-it was faster in the engine; at 16 it was not.
+it was faster in the engine; at 16 it was not. `safeserve.kernels.qkv_rope` builds the attention
+block's q|k|v launch on the same program body (`_skinny_partial`, `_arrive`).
 """
 
 from __future__ import annotations
@@ -142,32 +143,27 @@ def _cuda_sm_count(index: int) -> int:
 
 if HAS_TRITON:
 
-    @triton.jit(do_not_specialize=["m"])
-    def _skinny_linear_kernel(
+    @triton.jit
+    def _skinny_partial(
         x_ptr,
         w_ptr,
-        b_ptr,
-        out_ptr,
-        part_ptr,
-        sync_ptr,
         m,
         N,
         K,
         k_per,
         stride_xm,
         stride_wn,
-        HAS_BIAS: tl.constexpr,
+        nb,
+        kb,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
-        SPLIT_K: tl.constexpr,
         ONE_TILE: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
         USE_PDL: tl.constexpr,
     ):
-        pid = tl.program_id(0)
-        nb = pid // SPLIT_K
-        kb = pid % SPLIT_K
+        """x[:, K slice kb] @ w[column tile nb, K slice kb].T in float32 [BLOCK_M, BLOCK_N];
+        the program's dependent-launch wait happens in here."""
         rows = tl.arange(0, BLOCK_M)
         row_ok = rows < m
         cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -196,6 +192,52 @@ if HAS_TRITON:
                 acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
                 a_ptrs += BLOCK_K
                 b_ptrs += BLOCK_K
+        return acc
+
+    @triton.jit
+    def _arrive(acc, p_rows, o_mask, kb, N, counter, SPLIT_K: tl.constexpr):
+        """Store this program's partial at p_rows + kb * N and count it in; True for the
+        program that arrives last (it then reads the partials, see `_skinny_linear_kernel`)."""
+        tl.store(p_rows + kb * N, acc, mask=o_mask)
+        tl.debug_barrier()  # every thread's partial is issued before the release
+        last = tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT_K - 1
+        tl.debug_barrier()
+        return last
+
+    @triton.jit(do_not_specialize=["m"])
+    def _skinny_linear_kernel(
+        x_ptr,
+        w_ptr,
+        b_ptr,
+        out_ptr,
+        part_ptr,
+        sync_ptr,
+        m,
+        N,
+        K,
+        k_per,
+        stride_xm,
+        stride_wn,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        SPLIT_K: tl.constexpr,
+        ONE_TILE: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+        USE_PDL: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        nb = pid // SPLIT_K
+        kb = pid % SPLIT_K
+        acc = _skinny_partial(
+            x_ptr, w_ptr, m, N, K, k_per, stride_xm, stride_wn, nb, kb,
+            BLOCK_M, BLOCK_N, BLOCK_K, ONE_TILE, DOT_PRECISION, USE_PDL,
+        )  # fmt: skip
+        rows = tl.arange(0, BLOCK_M)
+        row_ok = rows < m
+        cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
         o_ptrs = out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]
         o_mask = row_ok[:, None] & col_ok[None, :]
         if SPLIT_K == 1:
@@ -204,10 +246,7 @@ if HAS_TRITON:
             tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
         else:
             p_rows = part_ptr + rows[:, None].to(tl.int64) * (SPLIT_K * N) + cols[None, :]
-            tl.store(p_rows + kb * N, acc, mask=o_mask)
-            tl.debug_barrier()  # every thread's partial is issued before the release
-            if tl.atomic_add(sync_ptr + nb, 1, sem="acq_rel") == SPLIT_K - 1:
-                tl.debug_barrier()
+            if _arrive(acc, p_rows, o_mask, kb, N, sync_ptr + nb, SPLIT_K):
                 total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
                 for j in tl.static_range(SPLIT_K):  # fixed order: deterministic
                     total += tl.load(p_rows + j * N, mask=o_mask, other=0.0, cache_modifier=".cg")

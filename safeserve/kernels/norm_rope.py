@@ -223,6 +223,88 @@ if HAS_TRITON:
         tl.store(out_ptr + row * hidden + cols, y.to(dtype), mask=ok)
 
     @triton.jit
+    def _qk_norm_rope_store_head(
+        x1,
+        x2,
+        t,
+        t_ok,
+        head,
+        cols,
+        ok,
+        qw_ptr,
+        kw_ptr,
+        cos_ptr,
+        sin_ptr,
+        q_ptr,
+        kc_ptr,
+        vc_ptr,
+        slot_ptr,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        half,
+        stride_cos,
+        stride_sin,
+        stride_qt,
+        stride_qh,
+        stride_cs,
+        stride_ch,
+        eps,
+    ):
+        """Head `head` of the q|k|v rows of tokens t [R] (t_ok: real rows), given as its two
+        halves x1, x2 [R, HALF_PAD] (columns `cols`, valid where `ok`) in the hidden dtype: a q
+        head is normed and rotated into q, a k head normed, rotated and written to the cache at
+        the token's slot, a v head copied there (slot -1: nothing written). Every product and sum
+        is rounded where the unfused model rounds."""
+        dtype = x1.dtype
+        m = t_ok[:, None] & ok[None, :]
+        if head >= num_heads + num_kv_heads:  # v: a plain copy into the cache
+            slot = tl.load(slot_ptr + t, mask=t_ok, other=-1).to(tl.int64)
+            v_row = (
+                vc_ptr + slot[:, None] * stride_cs + (head - num_heads - num_kv_heads) * stride_ch
+            )
+            v_ok = m & (slot >= 0)[:, None]
+            tl.store(v_row + cols[None, :], x1.to(vc_ptr.dtype.element_ty), mask=v_ok)
+            tl.store(v_row + half + cols[None, :], x2.to(vc_ptr.dtype.element_ty), mask=v_ok)
+        else:
+            is_q = head < num_heads
+            if is_q:
+                w1 = tl.load(qw_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+                w2 = tl.load(qw_ptr + half + cols, mask=ok, other=0.0).to(tl.float32)
+            else:
+                w1 = tl.load(kw_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+                w2 = tl.load(kw_ptr + half + cols, mask=ok, other=0.0).to(tl.float32)
+            h1 = x1.to(tl.float32)
+            h2 = x2.to(tl.float32)
+            sq = tl.sum(h1 * h1, axis=1) + tl.sum(h2 * h2, axis=1)
+            rstd = (1.0 / tl.sqrt(sq / head_dim + eps))[:, None]
+            n1 = ((h1 * rstd).to(dtype).to(tl.float32) * w1[None, :]).to(dtype).to(tl.float32)
+            n2 = ((h2 * rstd).to(dtype).to(tl.float32) * w2[None, :]).to(dtype).to(tl.float32)
+            cos_rows = cos_ptr + t[:, None] * stride_cos + cols[None, :]
+            sin_rows = sin_ptr + t[:, None] * stride_sin + cols[None, :]
+            c1 = tl.load(cos_rows, mask=m, other=0.0).to(tl.float32)
+            c2 = tl.load(cos_rows + half, mask=m, other=0.0).to(tl.float32)
+            s1 = tl.load(sin_rows, mask=m, other=0.0).to(tl.float32)
+            s2 = tl.load(sin_rows + half, mask=m, other=0.0).to(tl.float32)
+            # x * cos + rotate_half(x) * sin, each product and the sum rounded like the model's.
+            a1 = (n1 * c1).to(dtype).to(tl.float32)
+            b1 = (-n2 * s1).to(dtype).to(tl.float32)
+            a2 = (n2 * c2).to(dtype).to(tl.float32)
+            b2 = (n1 * s2).to(dtype).to(tl.float32)
+            y1 = (a1 + b1).to(dtype)
+            y2 = (a2 + b2).to(dtype)
+            if is_q:
+                q_dst = q_ptr + t[:, None] * stride_qt + head * stride_qh + cols[None, :]
+                tl.store(q_dst, y1, mask=m)
+                tl.store(q_dst + half, y2, mask=m)
+            else:
+                k_slot = tl.load(slot_ptr + t, mask=t_ok, other=-1).to(tl.int64)
+                k_row = kc_ptr + k_slot[:, None] * stride_cs + (head - num_heads) * stride_ch
+                k_ok = m & (k_slot >= 0)[:, None]
+                tl.store(k_row + cols[None, :], y1.to(kc_ptr.dtype.element_ty), mask=k_ok)
+                tl.store(k_row + half + cols[None, :], y2.to(kc_ptr.dtype.element_ty), mask=k_ok)
+
+    @triton.jit
     def _qk_norm_rope_store_kernel(
         qkv_ptr,
         qw_ptr,
@@ -248,53 +330,16 @@ if HAS_TRITON:
         HALF_PAD: tl.constexpr,
         USE_PDL: tl.constexpr,
     ):
-        t = tl.program_id(0).to(tl.int64)
+        t = tl.program_id(0).to(tl.int64) + tl.zeros([1], dtype=tl.int64)  # one token: [1]
         head = tl.program_id(1)
         cols = tl.arange(0, HALF_PAD)
         ok = cols < half
         pdl_wait(USE_PDL)
-        src = qkv_ptr + t * stride_t + head * head_dim
-        x1 = tl.load(src + cols, mask=ok, other=0.0)
-        x2 = tl.load(src + half + cols, mask=ok, other=0.0)
-        dtype = x1.dtype
-        if head >= num_heads + num_kv_heads:  # v: a plain copy into the cache
-            slot = tl.load(slot_ptr + t).to(tl.int64)
-            if slot >= 0:
-                dst = vc_ptr + slot * stride_cs + (head - num_heads - num_kv_heads) * stride_ch
-                tl.store(dst + cols, x1.to(vc_ptr.dtype.element_ty), mask=ok)
-                tl.store(dst + half + cols, x2.to(vc_ptr.dtype.element_ty), mask=ok)
-        else:
-            is_q = head < num_heads
-            if is_q:
-                w1 = tl.load(qw_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-                w2 = tl.load(qw_ptr + half + cols, mask=ok, other=0.0).to(tl.float32)
-            else:
-                w1 = tl.load(kw_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-                w2 = tl.load(kw_ptr + half + cols, mask=ok, other=0.0).to(tl.float32)
-            h1 = x1.to(tl.float32)
-            h2 = x2.to(tl.float32)
-            sq = tl.sum(h1 * h1, axis=0) + tl.sum(h2 * h2, axis=0)
-            rstd = 1.0 / tl.sqrt(sq / head_dim + eps)
-            n1 = ((h1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
-            n2 = ((h2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
-            c1 = tl.load(cos_ptr + t * stride_cos + cols, mask=ok, other=0.0).to(tl.float32)
-            c2 = tl.load(cos_ptr + t * stride_cos + half + cols, mask=ok, other=0.0).to(tl.float32)
-            s1 = tl.load(sin_ptr + t * stride_sin + cols, mask=ok, other=0.0).to(tl.float32)
-            s2 = tl.load(sin_ptr + t * stride_sin + half + cols, mask=ok, other=0.0).to(tl.float32)
-            # x * cos + rotate_half(x) * sin, each product and the sum rounded like the model's.
-            a1 = (n1 * c1).to(dtype).to(tl.float32)
-            b1 = (-n2 * s1).to(dtype).to(tl.float32)
-            a2 = (n2 * c2).to(dtype).to(tl.float32)
-            b2 = (n1 * s2).to(dtype).to(tl.float32)
-            y1 = (a1 + b1).to(dtype)
-            y2 = (a2 + b2).to(dtype)
-            if is_q:
-                dst = q_ptr + t * stride_qt + head * stride_qh
-                tl.store(dst + cols, y1, mask=ok)
-                tl.store(dst + half + cols, y2, mask=ok)
-            else:
-                slot = tl.load(slot_ptr + t).to(tl.int64)
-                if slot >= 0:
-                    dst = kc_ptr + slot * stride_cs + (head - num_heads) * stride_ch
-                    tl.store(dst + cols, y1.to(kc_ptr.dtype.element_ty), mask=ok)
-                    tl.store(dst + half + cols, y2.to(kc_ptr.dtype.element_ty), mask=ok)
+        src = qkv_ptr + t[:, None] * stride_t + head * head_dim + cols[None, :]
+        x1 = tl.load(src, mask=ok[None, :], other=0.0)
+        x2 = tl.load(src + half, mask=ok[None, :], other=0.0)
+        _qk_norm_rope_store_head(
+            x1, x2, t, t >= 0, head, cols, ok, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr,
+            vc_ptr, slot_ptr, num_heads, num_kv_heads, head_dim, half, stride_cos, stride_sin,
+            stride_qt, stride_qh, stride_cs, stride_ch, eps,
+        )  # fmt: skip

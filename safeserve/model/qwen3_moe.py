@@ -16,6 +16,7 @@ from safeserve.engine.attention import AttentionMetadata, attend
 from safeserve.engine.parallel import Comm, Layout
 from safeserve.kernels import norm_rope as nr
 from safeserve.kernels.linear import linear
+from safeserve.kernels.qkv_rope import qkv_norm_rope_store
 from safeserve.model.config import ModelConfig
 from safeserve.model.sharding import dense_split, expert_split, head_split
 from safeserve.moe.dispatch.base import Dispatcher
@@ -111,24 +112,14 @@ class Attention(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
         t = x.shape[0]
-        if self.qkv_weight is not None:
-            qkv = linear(x, self.qkv_weight, self.qkv_bias)
+        k_cache, v_cache = kv_cache
+        norm_rope = (self.q_norm.weight, self.k_norm.weight, cos, sin, self.q_norm.eps)
+        heads = (self.num_heads, self.num_kv_heads, k_cache, v_cache, meta.slot_mapping)
+        if self.qkv_weight is not None:  # decode batches: one launch (`qkv_norm_rope_store`)
+            q = qkv_norm_rope_store(x, self.qkv_weight, self.qkv_bias, *norm_rope, *heads)
         else:
             qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        k_cache, v_cache = kv_cache
-        q = nr.qk_norm_rope_store(
-            qkv,
-            self.q_norm.weight,
-            self.k_norm.weight,
-            cos,
-            sin,
-            self.q_norm.eps,
-            self.num_heads,
-            self.num_kv_heads,
-            k_cache,
-            v_cache,
-            meta.slot_mapping,
-        )
+            q = nr.qk_norm_rope_store(qkv, *norm_rope, *heads)
         out = attend(q, kv_cache, meta, self.scale)
         out = linear(out.reshape(t, self.num_heads * self.head_dim), self.o_proj.weight)
         if self.reduce:

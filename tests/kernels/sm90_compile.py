@@ -90,6 +90,7 @@ def _launch_everything() -> None:
     from safeserve.kernels import norm_rope as nr
     from safeserve.kernels import paged_attention as pa
     from safeserve.kernels import paged_prefill as pp
+    from safeserve.kernels import qkv_rope as qr
     from safeserve.kernels import topk_softmax as tk
     from safeserve.kernels.moe_align import moe_align
 
@@ -143,6 +144,23 @@ def _launch_everything() -> None:
     for n_out, n_in in ((5120, 2048), (2048, 4096)):  # q|k|v and o_proj at their plans
         for dtype in (bf16, torch.float32):
             lin.linear(torch.empty(1, n_in, dtype=dtype), torch.empty(n_out, n_in, dtype=dtype))
+    for dtype in (bf16, torch.float32):  # q|k|v with q/k norm, RoPE and the KV store folded in
+        cache = torch.empty(64, kv_heads, d, dtype=dtype)
+        qr.qkv_norm_rope_store(
+            torch.empty(1, h, dtype=dtype),
+            torch.empty((heads + 2 * kv_heads) * d, h, dtype=dtype),
+            None,
+            torch.empty(d, dtype=dtype),
+            torch.empty(d, dtype=dtype),
+            torch.empty(1, d, dtype=dtype),
+            torch.empty(1, d, dtype=dtype),
+            1e-6,
+            heads,
+            kv_heads,
+            cache,
+            cache.clone(),
+            torch.zeros(1, dtype=torch.int64),
+        )
     lin.skinny_linear(  # one K slice (no counter), with a bias
         torch.empty(2, 64, dtype=bf16),
         torch.empty(48, 64, dtype=bf16),
