@@ -41,13 +41,10 @@ if HAS_TRITON:
 # per multiprocessor on an H100/H200), which sets how finely a short batch splits its contexts.
 _BLOCK_N = 64
 _TARGET_PROGRAMS = 512
-# Splits whose maxima the merge reads per pass (a loop takes more). Fixed, as one split or many
-# is a runtime branch of the decode kernel (num_splits is not specialized): eager decode steps of
-# any batch and context, and every graph bucket, use one compiled variant of each kernel, so a
-# step of a new shape never stops to compile one.
-_MERGE_BLOCK = 64
 # Partial-sum elements the merge loads at once ([heads, splits, head dim]): as many splits per
-# pass as fit, so the few splits a context holds are read in one or two passes.
+# pass as fit, so the few splits a context holds are read in one or two passes (one split or
+# many is a runtime branch of the decode kernel, num_splits is not specialized: eager decode
+# steps of any batch and context, and every graph bucket, use one compiled variant).
 _MERGE_TILE = 8192
 
 
@@ -218,8 +215,8 @@ def paged_decode(
         BLOCK_N=_BLOCK_N,
         PAGE=block_size,
         DOT_PRECISION=precision,
-        S_BLOCK=_MERGE_BLOCK,
-        S_CHUNK=max(2, _MERGE_TILE // (g_pad * d_pad)),
+        M_PAD=next_power_of_2(group),
+        S_CHUNK=max(2, _MERGE_TILE // (next_power_of_2(group) * d_pad)),
         WHILE_LOOP=not q.is_cuda,
         USE_PDL=pdl,
         num_warps=4,

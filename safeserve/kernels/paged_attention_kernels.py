@@ -99,60 +99,47 @@ if HAS_TRITON:
     def _merge_splits(
         acc_ptr,
         stats_ptr,
-        out_ptr,
+        o_ptrs,
         base,
         g_ok,
-        o_ptrs,
         used,
         D_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr,
-        G_PAD: tl.constexpr,
-        S_BLOCK: tl.constexpr,
         S_CHUNK: tl.constexpr,
     ):
         """Merges splits 0..used-1 of a kv head's query heads (rows `base + s` of the partials)
-        into `o_ptrs`: each split's sum rescaled to the largest max, over the total l. The
-        splits are taken in a fixed order, so the result does not depend on which program
-        merges. Reads bypass L1 (.cg): other programs wrote them."""
+        into `o_ptrs`, S_CHUNK splits of every head per pass, in one pass over the splits: the
+        running sum is rescaled whenever a chunk raises the running max (as flash attention
+        does over tiles), then divided by the total l. The splits are taken in a fixed order,
+        so the result does not depend on which program merges. Reads bypass L1 (.cg): other
+        programs wrote them."""
         d = tl.arange(0, D_PAD)
-        # while, not range(): the interpreter cannot take a loaded bound
-        m = tl.full([G_PAD, S_BLOCK], float("-inf"), dtype=tl.float32)
+        m_run = tl.where(g_ok, float("-inf"), 0.0)  # padding heads: 0, so never -inf - -inf
+        l_run = tl.zeros_like(m_run)
+        o = tl.zeros([m_run.shape[0], D_PAD], dtype=tl.float32)
         s0 = 0
-        while s0 < used:
-            s = s0 + tl.arange(0, S_BLOCK)
-            ok = g_ok[:, None] & (s < used)[None, :]
-            m_s = tl.load(
-                stats_ptr + (base[:, None] + s[None, :]) * 2,
-                mask=ok,
-                other=float("-inf"),
-                cache_modifier=".cg",
-            )
-            m = tl.maximum(m, m_s)
-            s0 += S_BLOCK
-        m_max = tl.where(g_ok, tl.max(m, axis=1), 0.0)  # padding heads: no -inf - -inf
-        l_tot = tl.zeros([G_PAD], dtype=tl.float32)
-        o = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
-        s0 = 0
-        while s0 < used:  # S_CHUNK splits of every head at once: [G_PAD, S_CHUNK, D_PAD]
+        while s0 < used:  # while, not range(): the interpreter cannot take a loaded bound
             s = s0 + tl.arange(0, S_CHUNK)
             ok = g_ok[:, None] & (s < used)[None, :]
             rows = base[:, None] + s[None, :]
             m_s = tl.load(stats_ptr + rows * 2, mask=ok, other=float("-inf"), cache_modifier=".cg")
             l_s = tl.load(stats_ptr + rows * 2 + 1, mask=ok, other=0.0, cache_modifier=".cg")
-            w = tl.where(ok, tl.exp2(m_s - m_max[:, None]), 0.0)
-            l_tot += tl.sum(w * l_s, axis=1)
             a = tl.load(
                 acc_ptr + rows[:, :, None] * D_PAD + d[None, None, :],
                 mask=ok[:, :, None],
                 other=0.0,
                 cache_modifier=".cg",
             )
-            o += tl.sum(a * w[:, :, None], axis=1)
+            m_new = tl.where(g_ok, tl.maximum(m_run, tl.max(m_s, axis=1)), 0.0)
+            alpha = tl.exp2(m_run - m_new)  # 0 on the first chunk (m_run = -inf)
+            w = tl.where(ok, tl.exp2(m_s - m_new[:, None]), 0.0)
+            l_run = l_run * alpha + tl.sum(w * l_s, axis=1)
+            o = o * alpha[:, None] + tl.sum(a * w[:, :, None], axis=1)
+            m_run = m_new
             s0 += S_CHUNK
-        o = o / tl.maximum(l_tot, 1e-30)[:, None]
-        tl.store(
-            o_ptrs, o.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & (d < HEAD_DIM)[None, :]
-        )
+        o = o / tl.maximum(l_run, 1e-30)[:, None]
+        o_mask = g_ok[:, None] & (d < HEAD_DIM)[None, :]
+        tl.store(o_ptrs, o.to(o_ptrs.dtype.element_ty), mask=o_mask)
 
     # Values that change from step to step are not specialized (Triton would compile a variant
     # per divisibility by 16, or for 1), so a step of a new shape never waits for a compile:
@@ -185,7 +172,7 @@ if HAS_TRITON:
         BLOCK_N: tl.constexpr,
         PAGE: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
-        S_BLOCK: tl.constexpr,
+        M_PAD: tl.constexpr,
         S_CHUNK: tl.constexpr,
         WHILE_LOOP: tl.constexpr,
         USE_PDL: tl.constexpr,
@@ -293,18 +280,19 @@ if HAS_TRITON:
             counter = sync_ptr + b * tl.num_programs(1) + kvh
             if tl.atomic_add(counter, 1, sem="acq_rel") == used - 1:
                 tl.debug_barrier()
+                # the merge's own head padding (no tl.dot there): GROUP rounded up to a power of 2
+                mg = tl.arange(0, M_PAD)
+                mg_ok = mg < GROUP
+                m_heads = kvh * GROUP + mg
                 _merge_splits(
                     acc_ptr,
                     stats_ptr,
-                    out_ptr,
-                    base,
-                    g_ok,
-                    o_ptrs,
+                    out_ptr + b * stride_ob + m_heads[:, None] * stride_oh + d[None, :],
+                    (b * GROUP * tl.num_programs(1) + m_heads) * num_splits,
+                    mg_ok,
                     used,
                     D_PAD,
                     HEAD_DIM,
-                    G_PAD,
-                    S_BLOCK,
                     S_CHUNK,
                 )
                 tl.atomic_xchg(counter, 0)
