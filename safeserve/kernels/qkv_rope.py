@@ -7,7 +7,9 @@ program of a head to arrive sums the partials in a fixed order, so it holds the 
 program then does what `norm_rope.qk_norm_rope_store` does for the head (q/k RMSNorm and RoPE into
 q; k and v into the paged cache at the token's slot) instead of storing q|k|v. One launch instead
 of two per layer; on an H200 the decode step at concurrency 1 went from 3.23-3.24 to 3.16-3.18 ms
-(kernels/RESULTS.md, tenth session). The results are bit-identical to the two launches.
+(kernels/RESULTS.md, tenth session). v equals the two launches' bit for bit; q and k may differ
+from them by one bf16 rounding step, rarely (the norm's sum of squares is reduced over a tile of
+all the rows here, one row there).
 """
 
 from __future__ import annotations

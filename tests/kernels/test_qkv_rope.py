@@ -121,8 +121,12 @@ def test_gpu_qkv_norm_rope_store(case, dtype) -> None:
 @pytest.mark.parametrize("rows", [1, 8])
 def test_gpu_qkv_norm_rope_store_model_shape_in_a_graph(rows) -> None:
     """Qwen3-30B-A3B's attention (32 q / 4 kv heads of 128, hidden 2,048) in bf16, captured once
-    and replayed on new inputs: equal, bit for bit, to the two launches it replaces (the same
-    K tiles summed in the same order, then the same norm/RoPE code)."""
+    and replayed on new inputs, against the two launches it replaces. The q|k|v sums are the
+    same (the same K tiles summed in the same order), so v is bit-identical; q and k go through
+    the same norm/RoPE code, but the norm's sum of squares is reduced over a [rows, 64] tile
+    here and a [1, 64] one there, whose float32 sums may differ in the last bit: a value may
+    then round to the neighbouring bf16, rarely (an H200 run: 1 of 2.0 million q/k values over
+    40 random 8-row cases, 0.9 % apart; none at 1 row)."""
     hq, hkv, d, k = 32, 4, 128, 2048
     dev, dt = "cuda", torch.bfloat16
     w = torch.randn((hq + 2 * hkv) * d, k, device=dev, dtype=dt) / k**0.5
@@ -152,6 +156,10 @@ def test_gpu_qkv_norm_rope_store_model_shape_in_a_graph(rows) -> None:
         want = nr.qk_norm_rope_store(
             lin.skinny_linear(x, w), qw, kw, cos, sin, 1e-6, hq, hkv, kw_, vw_, slots
         )
-        assert torch.equal(q, want)
-        assert torch.equal(kc2, kw_) and torch.equal(vc2, vw_)
+        assert torch.equal(vc2, vw_)
+        for got, ref in ((q, want), (kc2, kw_)):
+            # one bf16 step of a normed value (|n| ~ 1), carried through the rounded RoPE sum
+            diff = (got.float() - ref.float()).abs().max().item()
+            assert diff <= 2**-6 * ref.float().abs().max().item(), diff
+            assert (got != ref).float().mean().item() < 0.01
         assert all(int(c.count_nonzero()) == 0 for c in common.ZEROED_COUNTERS.values())
