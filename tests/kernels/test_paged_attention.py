@@ -188,10 +188,12 @@ def test_decode_kernel_wide_table_many_splits(case: int, dtype: torch.dtype) -> 
 
 @needs_kernel
 def test_decode_kernel_merges_more_splits_than_one_pass() -> None:
-    """66 used splits: more than the merge reads per pass of its maxima (64) or of its sums."""
+    """66 used splits of a group of 8 heads of 128: the merge reads 8 splits a pass, so it
+    takes 9 passes, each raising or keeping the running max."""
     ctxs = [4200]
-    q, kc, vc, bt, ctx = _problem(ctxs, 4, 1, 16, 16, torch.float32, DEVICE, seed=9)
+    q, kc, vc, bt, ctx = _problem(ctxs, 8, 1, 128, 16, torch.float32, DEVICE, seed=9)
     assert pa.decode_splits(1, 1, bt.shape[1] * 16) == 66
+    assert 66 > 8 * (pa._MERGE_TILE // (8 * 128))  # more splits than one pass holds, 8 times
     ref = pa.paged_decode_torch(q.double(), kc.double(), vc.double(), bt, ctx, 16, 0.25)
     out = _decode_twice(q, kc, vc, bt, ctx, 16, 0.25)
     assert _rel_err(out, ref) <= 1e-5
