@@ -1,19 +1,17 @@
-"""Fused MoE kernels: pure-python helpers on CPU; the Triton kernels on a GPU (or, on CPU, in
-Triton's interpreter when TRITON_INTERPRET=1) against the torch references."""
+"""The fused MoE (`safeserve.kernels.fused_moe`): its CPU fallback; the Triton kernels on a GPU
+(or, on CPU, in Triton's interpreter when TRITON_INTERPRET=1) against the torch reference. The
+align, top-k and tile-config tests are in test_moe_align, test_topk_softmax and test_moe_config."""
 
 from __future__ import annotations
 
 import functools
-import json
 import os
-from pathlib import Path
 
 import pytest
 import torch
 
 from safeserve.kernels import common
 from safeserve.kernels import fused_moe as fm
-from safeserve.kernels import moe_align as ma
 from safeserve.kernels import moe_config as mc
 from safeserve.kernels import topk_softmax as tk
 from safeserve.moe.runner import grouped_experts_torch
@@ -83,151 +81,9 @@ def _counters_zero() -> bool:
     return all(int(b.count_nonzero()) == 0 for b in common.ZEROED_COUNTERS.values())
 
 
-def _check_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> None:
-    """Ids equal as sets per row (up to exact ties at the k-th place); weights to 1e-5."""
-    w, i = tk.fused_topk_softmax(logits, top_k, renormalize)
-    rw, ri = tk.topk_softmax_torch(logits, top_k, renormalize)
-    assert w.dtype == torch.float32 and i.dtype == torch.int32 and i.shape == ri.shape
-    probs = torch.softmax(logits.float(), dim=-1).cpu()
-    for row, (a, b) in enumerate(zip(i.cpu(), ri.cpu(), strict=True)):
-        if set(a.tolist()) != set(b.tolist()):
-            # only acceptable if the differing experts tie exactly with the reference's choice
-            got = probs[row, a.long()].sort().values
-            want = probs[row, b.long()].sort().values
-            assert torch.equal(got, want), f"row {row}: {a.tolist()} vs {b.tolist()}"
-    torch.testing.assert_close(w.sort(dim=1).values, rw.sort(dim=1).values, rtol=0, atol=1e-5)
-
-
-def _check_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> None:
-    got = ma.moe_align(topk_ids, num_experts, block_m)
-    want = ma.moe_align_torch(topk_ids.cpu(), num_experts, block_m)
-    sorted_ids, block_expert, npost = (t.cpu() for t in got)
-    assert sorted_ids.shape == want[0].shape and block_expert.shape == want[1].shape
-    assert torch.equal(npost, want[2])
-    assert torch.equal(block_expert, want[1])
-    rows = int(want[2])
-    row_expert = want[1].repeat_interleave(block_m)[:rows]
-    for e in range(num_experts):
-        seg = row_expert == e
-        # Within an expert the order is the atomic counters'; as a multiset it must agree.
-        assert torch.equal(sorted_ids[:rows][seg].sort().values, want[0][:rows][seg].sort().values)
-
-
 # ---------------------------------------------------------------------------------------------
 # CPU: pure python (no Triton needed)
 # ---------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_align_torch_layout(seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    num_experts = int(torch.randint(1, 70, (1,), generator=gen))
-    block_m = [16, 32, 64][seed % 3]
-    pairs = int(torch.randint(1, 600, (1,), generator=gen))
-    ids = torch.randint(-1, num_experts, (pairs, 1), generator=gen)
-    sorted_ids, block_expert, npost = ma.moe_align_torch(ids, num_experts, block_m)
-    max_blocks = ma.max_padded_blocks(pairs, num_experts, block_m)
-    assert sorted_ids.numel() == max_blocks * block_m and block_expert.numel() == max_blocks
-    rows = int(npost)
-    assert rows % block_m == 0 and rows <= sorted_ids.numel()
-    flat = ids.reshape(-1)
-    real = sorted_ids[:rows][sorted_ids[:rows] < pairs]
-    # every valid pair appears exactly once, no dropped (-1) pair appears
-    assert torch.equal(real.sort().values.long(), torch.nonzero(flat >= 0).squeeze(1))
-    for b in range(rows // block_m):
-        tile = sorted_ids[b * block_m : (b + 1) * block_m]
-        members = tile[tile < pairs].long()
-        assert members.numel() > 0
-        assert torch.all(flat[members] == block_expert[b])
-    assert torch.all(block_expert[rows // block_m :] == -1)
-    assert torch.all(sorted_ids[rows:] == pairs)
-
-
-def test_max_padded_blocks_is_tight_for_one_token() -> None:
-    assert ma.max_padded_blocks(8, 128, 16) == 8
-    assert ma.max_padded_blocks(0, 128, 16) == 0
-    # worst case: every expert gets one pair more than a multiple of the tile
-    assert ma.max_padded_blocks(128 * 17, 128, 16) == 128 * 2
-
-
-def test_config_lookup_nearest(tmp_path: Path) -> None:
-    table = {
-        "1": mc.default_config(1, 128, 8),
-        "64": mc.default_config(64, 128, 8),
-        "4096": mc.default_config(4096, 128, 8),
-    }
-    table["64"]["tuned_us"] = 64.0  # marks the entry
-    name = mc.config_file_name(128, 2048, 768, "NVIDIA H200")
-    assert name == "E128_H2048_I768_NVIDIA_H200.json"
-    (tmp_path / name).write_text(json.dumps({"meta": {}, "configs": table}))
-    cfg = mc.get_config(50, 128, 2048, 768, 8, device_name="NVIDIA H200", config_dir=tmp_path)
-    assert cfg["tuned_us"] == 64.0
-    assert mc.get_config(3000, 128, 2048, 768, 8, "NVIDIA H200", tmp_path)["BLOCK_M"] == 128
-    # no file for this shape -> heuristic default
-    other = mc.get_config(50, 60, 2048, 768, 8, device_name="NVIDIA H200", config_dir=tmp_path)
-    assert other == mc.default_config(50, 60, 8)
-
-
-def test_shipped_config_files_are_valid() -> None:
-    files = sorted(mc.CONFIG_DIR.glob("*.json"))
-    assert files
-    for path in files:
-        table = mc.load_config_table(str(path))  # validates every entry
-        assert table, path
-    sweeps = Path(__file__).resolve().parents[2] / "kernels" / "configs"
-    for path in sorted(sweeps.glob("sweep_*.json")):
-        for i, cfg in enumerate(json.loads(path.read_text())):
-            mc.check_config(cfg, f"{path.name}[{i}]")
-
-
-@pytest.mark.parametrize(
-    "edit,message",
-    [
-        (lambda c: c["gemm2"].update(splt=4), r"gemm2: unknown keys \['splt'\]"),
-        (lambda c: c.update(pdl="yes"), "pdl 'yes'"),
-        (lambda c: c["gemm1"].update(BLOCK_N=48), "gemm1.BLOCK_N 48"),
-        (lambda c: c.update(mode="gemv"), "mode 'gemv'"),
-        (lambda c: c["gemm1"].update(num_warps=3), "gemm1.num_warps 3"),
-        (lambda c: c.pop("gemm2"), "gemm2 is missing"),
-        (lambda c: c["gemm1"].update(slice=0), "gemm1.slice 0 is not a positive integer"),
-    ],
-)
-def test_bad_config_table_is_refused_naming_the_entry(tmp_path: Path, edit, message) -> None:
-    table = {"1": mc.default_config(1, 128, 8), "64": mc.default_config(64, 128, 8)}
-    edit(table["64"])
-    path = tmp_path / "table.json"
-    path.write_text(json.dumps({"configs": table}))
-    with pytest.raises(mc.ConfigTableError, match=f"table.json, 64 tokens: {message}"):
-        mc.load_config_table(str(path))
-
-
-def test_override_table_must_exist_and_be_a_table(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setenv("SAFESERVE_FUSED_MOE_CONFIG", str(tmp_path / "missing.json"))
-    with pytest.raises(mc.ConfigTableError, match="no such file"):
-        mc.check_override_table()
-    (tmp_path / "empty.json").write_text("{}")
-    monkeypatch.setenv("SAFESERVE_FUSED_MOE_CONFIG", str(tmp_path / "empty.json"))
-    with pytest.raises(mc.ConfigTableError, match="empty"):
-        mc.check_override_table()
-    (tmp_path / "junk.json").write_text("[1, 2]")
-    monkeypatch.setenv("SAFESERVE_FUSED_MOE_CONFIG", str(tmp_path / "junk.json"))
-    with pytest.raises(mc.ConfigTableError, match="not a token-count"):
-        mc.check_override_table()
-
-
-def test_fit_config_shrinks_for_fp32() -> None:
-    cfg = {
-        "mode": "sorted",
-        "BLOCK_M": 128,
-        "gemm1": mc.kcfg(128, 128, 8, 8, 5),
-        "gemm2": mc.kcfg(256, 128, 8, 8, 5),
-    }
-    small = mc.fit_config(cfg, 4, 8)
-    for name, n_b in (("gemm1", 2), ("gemm2", 1)):
-        k = small[name]
-        per_stage = (128 * k["BLOCK_K"] + n_b * k["BLOCK_K"] * k["BLOCK_N"]) * 4
-        assert per_stage * k["num_stages"] <= mc.SMEM_BUDGET
-    assert cfg["gemm1"]["num_stages"] == 5  # the input is not modified
 
 
 @pytest.mark.skipif(INTERPRET or torch.cuda.is_available(), reason="checks the CPU fallback")
@@ -307,25 +163,6 @@ def test_interpreter_split_down_resets_its_counters() -> None:
         )
         assert _rel_err(out, ref) < 1e-4
         assert _counters_zero()
-
-
-@interp
-@pytest.mark.parametrize(
-    "pairs,experts,block_m", [(8, 8, 16), (100, 60, 16), (3000, 37, 32), (5000, 128, 64)]
-)
-def test_interpreter_align(pairs: int, experts: int, block_m: int) -> None:
-    """Above 2,048 pairs: several programs, the last one lays out the experts and resets the
-    counters, so back-to-back calls (as in a graph replay) start from zero."""
-    gen = torch.Generator().manual_seed(pairs)
-    for _ in range(2):
-        _check_align(torch.randint(-1, experts, (pairs, 1), generator=gen), experts, block_m)
-        assert _counters_zero()
-
-
-@interp
-def test_interpreter_topk_softmax() -> None:
-    _check_topk(torch.randn(37, 60), 8, False)
-    _check_topk(torch.randn(5, 8), 2, True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -495,30 +332,3 @@ def test_gpu_cuda_graph_replay(tokens: int, plan: str) -> None:
             graph.replay()
         torch.cuda.synchronize()
         assert _rel_err(out, ref) <= 1e-2
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize(
-    "pairs,experts,block_m",
-    [(8, 128, 16), (1, 3, 16), (500, 60, 16), (2048, 128, 32), (2049, 37, 64), (32768, 128, 128)],
-)
-def test_gpu_align_matches_torch(pairs: int, experts: int, block_m: int) -> None:
-    ids = torch.randint(-1, experts, (pairs, 1), device="cuda")
-    _check_align(ids, experts, block_m)
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize(
-    "tokens,experts,top_k,renormalize,dtype",
-    [
-        (1, 128, 8, True, torch.bfloat16),
-        (333, 60, 4, False, torch.float32),
-        (4096, 128, 8, True, torch.float16),
-        (17, 256, 8, False, torch.bfloat16),
-        (5, 8, 2, True, torch.float32),
-    ],
-)
-def test_gpu_topk_softmax_matches_torch(tokens, experts, top_k, renormalize, dtype) -> None:
-    _check_topk(torch.randn(tokens, experts, device="cuda").to(dtype), top_k, renormalize)

@@ -1,0 +1,91 @@
+"""Fused MoE tile configs (`safeserve.kernels.moe_config`): the table lookup, the shipped
+tables, refusal of bad tables and overrides, and the float32 fit. Pure python, on CPU."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from safeserve.kernels import moe_config as mc
+
+
+def test_config_lookup_nearest(tmp_path: Path) -> None:
+    table = {
+        "1": mc.default_config(1, 128, 8),
+        "64": mc.default_config(64, 128, 8),
+        "4096": mc.default_config(4096, 128, 8),
+    }
+    table["64"]["tuned_us"] = 64.0  # marks the entry
+    name = mc.config_file_name(128, 2048, 768, "NVIDIA H200")
+    assert name == "E128_H2048_I768_NVIDIA_H200.json"
+    (tmp_path / name).write_text(json.dumps({"meta": {}, "configs": table}))
+    cfg = mc.get_config(50, 128, 2048, 768, 8, device_name="NVIDIA H200", config_dir=tmp_path)
+    assert cfg["tuned_us"] == 64.0
+    assert mc.get_config(3000, 128, 2048, 768, 8, "NVIDIA H200", tmp_path)["BLOCK_M"] == 128
+    # no file for this shape -> heuristic default
+    other = mc.get_config(50, 60, 2048, 768, 8, device_name="NVIDIA H200", config_dir=tmp_path)
+    assert other == mc.default_config(50, 60, 8)
+
+
+def test_shipped_config_files_are_valid() -> None:
+    files = sorted(mc.CONFIG_DIR.glob("*.json"))
+    assert files
+    for path in files:
+        table = mc.load_config_table(str(path))  # validates every entry
+        assert table, path
+    sweeps = Path(__file__).resolve().parents[2] / "kernels" / "configs"
+    for path in sorted(sweeps.glob("sweep_*.json")):
+        for i, cfg in enumerate(json.loads(path.read_text())):
+            mc.check_config(cfg, f"{path.name}[{i}]")
+
+
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (lambda c: c["gemm2"].update(splt=4), r"gemm2: unknown keys \['splt'\]"),
+        (lambda c: c.update(pdl="yes"), "pdl 'yes'"),
+        (lambda c: c["gemm1"].update(BLOCK_N=48), "gemm1.BLOCK_N 48"),
+        (lambda c: c.update(mode="gemv"), "mode 'gemv'"),
+        (lambda c: c["gemm1"].update(num_warps=3), "gemm1.num_warps 3"),
+        (lambda c: c.pop("gemm2"), "gemm2 is missing"),
+        (lambda c: c["gemm1"].update(slice=0), "gemm1.slice 0 is not a positive integer"),
+    ],
+)
+def test_bad_config_table_is_refused_naming_the_entry(tmp_path: Path, edit, message) -> None:
+    table = {"1": mc.default_config(1, 128, 8), "64": mc.default_config(64, 128, 8)}
+    edit(table["64"])
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps({"configs": table}))
+    with pytest.raises(mc.ConfigTableError, match=f"table.json, 64 tokens: {message}"):
+        mc.load_config_table(str(path))
+
+
+def test_override_table_must_exist_and_be_a_table(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("SAFESERVE_FUSED_MOE_CONFIG", str(tmp_path / "missing.json"))
+    with pytest.raises(mc.ConfigTableError, match="no such file"):
+        mc.check_override_table()
+    (tmp_path / "empty.json").write_text("{}")
+    monkeypatch.setenv("SAFESERVE_FUSED_MOE_CONFIG", str(tmp_path / "empty.json"))
+    with pytest.raises(mc.ConfigTableError, match="empty"):
+        mc.check_override_table()
+    (tmp_path / "junk.json").write_text("[1, 2]")
+    monkeypatch.setenv("SAFESERVE_FUSED_MOE_CONFIG", str(tmp_path / "junk.json"))
+    with pytest.raises(mc.ConfigTableError, match="not a token-count"):
+        mc.check_override_table()
+
+
+def test_fit_config_shrinks_for_fp32() -> None:
+    cfg = {
+        "mode": "sorted",
+        "BLOCK_M": 128,
+        "gemm1": mc.kcfg(128, 128, 8, 8, 5),
+        "gemm2": mc.kcfg(256, 128, 8, 8, 5),
+    }
+    small = mc.fit_config(cfg, 4, 8)
+    for name, n_b in (("gemm1", 2), ("gemm2", 1)):
+        k = small[name]
+        per_stage = (128 * k["BLOCK_K"] + n_b * k["BLOCK_K"] * k["BLOCK_N"]) * 4
+        assert per_stage * k["num_stages"] <= mc.SMEM_BUDGET
+    assert cfg["gemm1"]["num_stages"] == 5  # the input is not modified
