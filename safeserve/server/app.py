@@ -1,6 +1,7 @@
 """The HTTP frontend: OpenAI-compatible routes, health, readiness and metrics.
 
-Route handlers stay thin: validation in `protocol.py`, generation in `generate.py`, the group's
+Route handlers stay thin: validation in `protocol.py`, generation in `generate.py`, streamed and
+collected responses in `responses.py`, the request-body limit in `body_limit.py`, the group's
 processes behind `GroupClient`.
 """
 
@@ -8,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 import uuid
@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from safeserve.config import ServerArgs
 from safeserve.model.checkpoint import load_model_config
@@ -24,51 +24,16 @@ from safeserve.model.tokenizer import Tokenizer, TokenizerError, load_tokenizer
 from safeserve.moe.eplb.balancedness import WINDOWS as BALANCE_WINDOWS
 from safeserve.moe.eplb.balancedness import group_balancedness
 from safeserve.server import protocol as P
+from safeserve.server.body_limit import BodySizeLimit
 from safeserve.server.errors import APIError, bad_request, require_bearer, unavailable
 from safeserve.server.generate import Generation, Generator
 from safeserve.server.group_client import GroupClient
 from safeserve.server.metrics import Metrics
+from safeserve.server.responses import _chat_stream, _collect, _completion_stream, _sse
 from safeserve.server.router import GroupRouter, NoGroupReady
 from safeserve.server.supervisor import Supervisor, SupervisorState
 
 logger = logging.getLogger(__name__)
-
-
-class BodySizeLimit:
-    """Pure ASGI middleware: a body over the limit gets 413 before any handler reads it."""
-
-    def __init__(self, app: Any, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        too_big = APIError(413, f"request body exceeds {self.max_bytes} bytes", "request_too_large")
-        for k, v in scope.get("headers", []):
-            if k == b"content-length" and v.isdigit() and int(v) > self.max_bytes:
-                await too_big.response()(scope, receive, send)
-                return
-        seen = 0
-
-        async def limited_receive() -> dict:
-            nonlocal seen
-            msg = await receive()
-            if msg["type"] == "http.request":
-                seen += len(msg.get("body", b""))
-                if seen > self.max_bytes:
-                    raise _BodyTooLarge
-            return msg
-
-        try:
-            await self.app(scope, limited_receive, send)
-        except _BodyTooLarge:
-            await too_big.response()(scope, receive, send)
-
-
-class _BodyTooLarge(Exception):
-    pass
 
 
 class ServerState:
@@ -373,94 +338,3 @@ def _refresh_gauges(state: ServerState) -> None:
                 with contextlib.suppress(KeyError):
                     m.eplb_balancedness.remove(label, str(window))
     m.in_flight.set(len(state.generator.active) if state.generator else 0)
-
-
-def _sse(
-    request: Request, state: ServerState, gen: Generation, chunks: AsyncIterator[dict]
-) -> Response:
-    path = request.url.path
-
-    async def body() -> AsyncIterator[bytes]:
-        status = "200"
-        try:
-            async for chunk in chunks:
-                yield f"data: {json.dumps(chunk)}\n\n".encode()  # ASCII: no line separator can split an event
-            yield b"data: [DONE]\n\n"
-        except APIError as e:  # the group failed mid-stream: say so in the stream, then end it
-            status = str(e.status)
-            yield f"data: {json.dumps(e.body())}\n\n".encode()
-            yield b"data: [DONE]\n\n"
-        except (asyncio.CancelledError, GeneratorExit):
-            status = "499"  # client went away
-            raise
-        finally:
-            gen.close()
-            state.metrics.requests.labels(path, status).inc()
-
-    headers = {"Cache-Control": "no-cache", "X-Safeserve-Group": str(gen.supervisor.group)}
-    return StreamingResponse(body(), media_type="text/event-stream", headers=headers)
-
-
-async def _completion_stream(gen: Generation, req: P.CompletionRequest) -> AsyncIterator[dict]:
-    async for delta in gen.deltas():
-        ids = delta.token_ids if req.return_token_ids else None
-        use = P.usage(gen.num_prompt_tokens, gen.num_output_tokens) if delta.finish_reason else None
-        if delta.text or delta.finish_reason or ids:
-            yield P.completion_chunk(gen.rid, gen.model, delta.text, delta.finish_reason, use, ids)
-    if req.stream_options and req.stream_options.include_usage:
-        use = P.usage(gen.num_prompt_tokens, gen.num_output_tokens)
-        yield P.completion_chunk(gen.rid, gen.model, "", None, use, empty=True)
-
-
-async def _chat_stream(gen: Generation, req: P.ChatCompletionRequest) -> AsyncIterator[dict]:
-    yield P.chat_chunk(gen.rid, gen.model, {"role": "assistant", "content": ""}, None)
-    async for delta in gen.deltas():
-        ids = delta.token_ids if req.return_token_ids else None
-        use = P.usage(gen.num_prompt_tokens, gen.num_output_tokens) if delta.finish_reason else None
-        if delta.text or delta.finish_reason or ids:
-            d = {"content": delta.text} if delta.text else {}
-            yield P.chat_chunk(gen.rid, gen.model, d, delta.finish_reason, use, ids)
-    if req.stream_options and req.stream_options.include_usage:
-        use = P.usage(gen.num_prompt_tokens, gen.num_output_tokens)
-        yield P.chat_chunk(gen.rid, gen.model, {}, None, use, empty=True)
-
-
-async def _collect(
-    request: Request, state: ServerState, gen: Generation, chat: bool, return_ids: bool
-) -> Response:
-    """Non-streaming: gather every delta, while watching for the client going away."""
-    text: list[str] = []
-    ids: list[int] = []
-    finish: str | None = None
-
-    async def gather() -> None:
-        nonlocal finish
-        async for delta in gen.deltas():
-            text.append(delta.text)
-            ids.extend(delta.token_ids)
-            finish = delta.finish_reason or finish
-
-    async def disconnected() -> None:
-        while not await request.is_disconnected():
-            await asyncio.sleep(0.25)
-
-    work = asyncio.create_task(gather())
-    watch = asyncio.create_task(disconnected())
-    try:
-        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-        if work not in done:
-            work.cancel()
-            state.metrics.requests.labels(request.url.path, "499").inc()
-            return Response(status_code=499)
-        work.result()  # re-raises APIError (e.g. the group failed)
-    finally:
-        watch.cancel()
-        gen.close()
-    use = P.usage(gen.num_prompt_tokens, gen.num_output_tokens)
-    token_ids = ids if return_ids else None
-    build = P.chat_response if chat else P.completion_response
-    state.metrics.requests.labels(request.url.path, "200").inc()
-    return JSONResponse(
-        build(gen.rid, gen.model, "".join(text), finish, use, token_ids),
-        headers={"X-Safeserve-Group": str(gen.supervisor.group)},  # the group that finished it
-    )
