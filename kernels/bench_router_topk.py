@@ -19,6 +19,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from safeserve.kernels import router_topk as rt  # noqa: E402
 from safeserve.kernels import topk_softmax as tk  # noqa: E402
 
 
@@ -62,10 +63,10 @@ def main() -> int:
         want = tk.fused_topk_softmax(F.linear(x, gate), ns.top_k, True, dt, emap)[1]
         for w in [int(v) for v in ns.warps.split(",")]:
             row[f"router_topk_w{w}_us"] = kernel_us(
-                lambda x=x, w=w: tk.router_topk(x, gate, ns.top_k, True, dt, emap, num_warps=w),
+                lambda x=x, w=w: rt.router_topk(x, gate, ns.top_k, True, dt, emap, num_warps=w),
                 ns.reps,
             )
-            got = tk.router_topk(x, gate, ns.top_k, True, dt, emap, num_warps=w)[1]
+            got = rt.router_topk(x, gate, ns.top_k, True, dt, emap, num_warps=w)[1]
             row[f"ids_agree_w{w}"] = float(
                 (got.sort(dim=1).values == want.sort(dim=1).values).float().mean()
             )

@@ -11,7 +11,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv 
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$OUT/gpu.txt"
 bash kernels/gpu_pytest.sh "${TEST_TIMEOUT:-170}" "$OUT/pytest.log" \
   tests/kernels/test_paged_attention.py tests/kernels/test_engine_kernels_gpu.py \
-  tests/kernels/test_fused_moe.py tests/kernels/test_norm_rope.py \
+  tests/kernels/test_fused_moe.py tests/kernels/test_topk_softmax.py tests/kernels/test_norm_rope.py \
   -k "not interpreter and (paged or engine or E60 or E37 or E16 or replay or topk or dropped or norm)"
 timeout "${BENCH_TIMEOUT:-300}" python3 -m safeserve.cli bench \
   --model kernels/configs/qwen3-30b-a3b --load-format dummy --device cuda --dtype bfloat16 \

@@ -26,4 +26,5 @@ timeout "${BENCH_TIMEOUT:-150}" python3 kernels/bench_fused_moe.py --configs "$O
   --paired-matmul 1024 ${BREAKDOWN:+--breakdown} --json "$OUT/bench_final.json" 2>&1 |
   tee "$OUT/bench_final.log"
 SHARDS=${SHARDS:-6} bash kernels/gpu_pytest.sh "${TEST_TIMEOUT:-240}" "$OUT/pytest.log" \
-  tests/kernels/test_fused_moe.py -m gpu ${TEST_K:+-k "$TEST_K"}
+  tests/kernels/test_fused_moe.py tests/kernels/test_moe_align.py tests/kernels/test_topk_softmax.py \
+  tests/kernels/test_moe_config.py -m gpu ${TEST_K:+-k "$TEST_K"}

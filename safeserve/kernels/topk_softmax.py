@@ -1,12 +1,9 @@
 """Router top-k: softmax over the experts in float32, the top k, optional renormalisation, and
 the logical -> physical expert-id map, in one Triton kernel (`fused_topk_softmax`), with its
 torch reference (`topk_softmax_torch`). `router_topk`, which for decode-sized batches also runs
-the router GEMM in that launch, is in `safeserve.kernels.router_topk` (still importable from
-here)."""
+the router GEMM in that launch, is in `safeserve.kernels.router_topk`."""
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 
@@ -194,13 +191,3 @@ def fused_topk_softmax(
         launch_pdl=pdl,
     )
     return weights, ids
-
-
-def __getattr__(name: str) -> Any:
-    """`router_topk` and `ROUTER_FUSED_MAX_TOKENS`, from `safeserve.kernels.router_topk`, where
-    they moved: looked up on first use, since that module imports this one."""
-    if name in ("router_topk", "ROUTER_FUSED_MAX_TOKENS"):
-        from safeserve.kernels import router_topk as module
-
-        return getattr(module, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

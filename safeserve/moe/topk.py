@@ -72,7 +72,7 @@ class Router(torch.nn.Module):
         if hidden_states.is_cuda:
             # Triton: the router GEMM (decode-sized batches) and the same float32 top-k math,
             # the weights' cast, the skew and the id mapping, in one launch.
-            from safeserve.kernels.topk_softmax import router_topk
+            from safeserve.kernels.router_topk import router_topk
 
             weights, ids, logits = router_topk(
                 hidden_states,

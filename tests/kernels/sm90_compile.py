@@ -91,6 +91,7 @@ def _launch_everything() -> None:
     from safeserve.kernels import paged_attention as pa
     from safeserve.kernels import paged_prefill as pp
     from safeserve.kernels import qkv_rope as qr
+    from safeserve.kernels import router_topk as rt
     from safeserve.kernels import topk_softmax as tk
     from safeserve.kernels.moe_align import moe_align
 
@@ -129,10 +130,10 @@ def _launch_everything() -> None:
             logits = torch.empty(tokens, e, dtype=dtype)
             tk.fused_topk_softmax(logits, k, True, dtype, torch.zeros(e, dtype=torch.int64))
             skew = torch.zeros(1, dtype=torch.int64)  # the router passes its skew tensor
-            tk.router_topk(
+            rt.router_topk(
                 torch.empty(tokens, h, dtype=dtype), torch.empty(e, h, dtype=dtype), k, True
             )
-            tk.router_topk(
+            rt.router_topk(
                 torch.empty(tokens, h, dtype=dtype),
                 torch.empty(e, h, dtype=dtype),
                 k,

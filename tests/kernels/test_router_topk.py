@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from safeserve.kernels import common
+from safeserve.kernels import router_topk as rt
 from safeserve.kernels import topk_softmax as tk
 from safeserve.moe.topk import skew_ids
 
@@ -39,7 +40,7 @@ def _check(
     expert_map: torch.Tensor | None,
     logits_tol: float,
 ) -> None:
-    weights, ids, logits = tk.router_topk(x, gate, top_k, renormalize, x.dtype, expert_map)
+    weights, ids, logits = rt.router_topk(x, gate, top_k, renormalize, x.dtype, expert_map)
     ref_logits = F.linear(x.float(), gate.float())
     assert logits.shape == ref_logits.shape and logits.dtype == x.dtype
     assert not torch.isnan(logits).any()
@@ -90,12 +91,12 @@ def test_interpreter_router_topk(case) -> None:
 def test_fused_limit_covers_the_cases() -> None:
     """The cases above exercise both paths: keep them on either side of the limit."""
     sizes = [c[0] for c in CASES]
-    assert min(sizes) <= tk.ROUTER_FUSED_MAX_TOKENS < max(sizes)
+    assert min(sizes) <= rt.ROUTER_FUSED_MAX_TOKENS < max(sizes)
 
 
 def test_router_topk_rejects_mismatched_gate() -> None:
     with pytest.raises(ValueError, match="hidden size"):
-        tk.router_topk(torch.randn(2, 8), torch.randn(4, 6), 2, True)
+        rt.router_topk(torch.randn(2, 8), torch.randn(4, 6), 2, True)
 
 
 @pytest.mark.gpu
@@ -116,17 +117,17 @@ def test_gpu_router_topk_graph_replay(tokens: int) -> None:
     """Captured once and replayed on new inputs: the per-block counters reset every replay."""
     x, gate, emap = _inputs(tokens, 128, 2048, True, torch.bfloat16, "cuda", 11)
     static = x.clone()
-    tk.router_topk(static, gate, 8, True, torch.bfloat16, emap)  # compile outside the capture
+    rt.router_topk(static, gate, 8, True, torch.bfloat16, emap)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        weights, ids, logits = tk.router_topk(static, gate, 8, True, torch.bfloat16, emap)
+        weights, ids, logits = rt.router_topk(static, gate, 8, True, torch.bfloat16, emap)
     for seed in (12, 13, 14):
         static.copy_(_inputs(tokens, 128, 2048, True, torch.bfloat16, "cuda", seed)[0])
         ids.fill_(-1)
         graph.replay()
         torch.cuda.synchronize()
-        want_w, want_ids, want_logits = tk.router_topk(
+        want_w, want_ids, want_logits = rt.router_topk(
             static.clone(), gate, 8, True, torch.bfloat16, emap
         )
         assert torch.equal(logits, want_logits)
@@ -142,7 +143,7 @@ def test_gpu_counters_survive_other_graphs_in_the_pool() -> None:
     not live there, or that graph's replays would corrupt them (seen in the engine as an
     illegal address: never-written ids)."""
     x, gate, emap = _inputs(1, 128, 2048, True, torch.bfloat16, "cuda", 21)
-    want = tk.router_topk(x, gate, 8, True, torch.bfloat16, emap)  # eager: counters allocated
+    want = rt.router_topk(x, gate, 8, True, torch.bfloat16, emap)  # eager: counters allocated
     scribble = torch.cuda.CUDAGraph()
     with torch.cuda.graph(scribble):
         tmp = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
@@ -150,7 +151,7 @@ def test_gpu_counters_survive_other_graphs_in_the_pool() -> None:
         del tmp  # back to the pool: the next capture may get these addresses
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=scribble.pool()):
-        got = tk.router_topk(x, gate, 8, True, torch.bfloat16, emap)
+        got = rt.router_topk(x, gate, 8, True, torch.bfloat16, emap)
     for _ in range(3):
         scribble.replay()
         graph.replay()
@@ -173,12 +174,12 @@ def _skew_check(tokens: int, experts: int, device: str, dtype: torch.dtype) -> N
     replaced by the experts from the skew on, mapped; weights unchanged; -1 changes nothing."""
     x, gate, emap = _inputs(tokens, experts, 96, True, dtype, device, 5)
     skew = torch.full((1,), -1, dtype=torch.int64, device=device)
-    plain = tk.router_topk(x, gate, 4, True, dtype, emap)
-    off = tk.router_topk(x, gate, 4, True, dtype, emap, skew=skew)
+    plain = rt.router_topk(x, gate, 4, True, dtype, emap)
+    off = rt.router_topk(x, gate, 4, True, dtype, emap, skew=skew)
     assert all(torch.equal(a, b) for a, b in zip(off, plain, strict=True))
     for e in (0, experts - 2):  # the second wraps around the last expert
         skew.fill_(e)
-        weights, ids, logits = tk.router_topk(x, gate, 4, True, dtype, emap, skew=skew)
+        weights, ids, logits = rt.router_topk(x, gate, 4, True, dtype, emap, skew=skew)
         want = emap[(e + torch.arange(4, device=device)) % experts].expand(tokens, 4)
         assert torch.equal(ids, want.to(ids.dtype)), (e, ids.tolist())
         assert torch.equal(weights, plain[0]) and torch.equal(logits, plain[2])
@@ -205,11 +206,11 @@ def test_gpu_skew_set_after_capture_reaches_the_replay() -> None:
     """A graph captured with no skew follows the skew tensor being set and cleared."""
     x, gate, emap = _inputs(3, 128, 2048, True, torch.bfloat16, "cuda", 31)
     skew = torch.full((1,), -1, dtype=torch.int64, device="cuda")
-    want = tk.router_topk(x, gate, 8, True, torch.bfloat16, emap, skew=skew)
+    want = rt.router_topk(x, gate, 8, True, torch.bfloat16, emap, skew=skew)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        got = tk.router_topk(x, gate, 8, True, torch.bfloat16, emap, skew=skew)
+        got = rt.router_topk(x, gate, 8, True, torch.bfloat16, emap, skew=skew)
     for e in (None, 7, 125, None):
         skew.fill_(-1 if e is None else e)
         graph.replay()
