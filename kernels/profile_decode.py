@@ -7,7 +7,11 @@ Measured per B:
 * `step_ms`: host wall time of a whole `execute` (median of --steps),
 * `replay_ms`: the decode graph's replay alone, CUDA events (median of --steps),
 * `kernels`: a torch.profiler trace around --trace-steps whole steps: every GPU kernel's name,
-  launches per step and time per step, grouped into families, plus host-side CPU ops.
+  launches per step and time per step, grouped into families, plus host-side CPU ops. With
+  dependent launches (the engine's default on Hopper) a kernel starts while the one before it
+  runs and waits inside, so its span includes that wait: at small batches the per-kernel times
+  then say little (RMSNorm showed 19.7 us a launch at concurrency 1). `--disable-pdl` profiles
+  ordinary launches, whose times are each kernel's own (the step itself is slower).
 
 Runs against whatever `safeserve` is importable (PYTHONPATH=<old tree> profiles a baseline):
 it uses only `ModelRunner.execute` and `cuda_graphs.graphs` / `bucket_for`.
@@ -51,7 +55,9 @@ def family(name: str) -> str:
     return "other"
 
 
-def build_runner(model: str, max_bs: int, max_len: int, device: str):  # type: ignore[no-untyped-def]
+def build_runner(  # type: ignore[no-untyped-def]
+    model: str, max_bs: int, max_len: int, device: str, disable_pdl: bool = False
+):
     from safeserve.config import ServerArgs
     from safeserve.engine.model_runner import ModelRunner
 
@@ -63,6 +69,7 @@ def build_runner(model: str, max_bs: int, max_len: int, device: str):  # type: i
         max_model_len=max_len,
         max_running_requests=max_bs,
         cuda_graph_max_bs=max_bs,
+        disable_pdl=disable_pdl,
     )
     return ModelRunner(args)
 
@@ -176,14 +183,21 @@ def main() -> int:
     ap.add_argument("--trace-steps", type=int, default=3)
     ap.add_argument("--label", default="current")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself")
+    ap.add_argument(
+        "--disable-pdl",
+        action="store_true",
+        help="launch kernels as ordinary launches: with dependent launches (the engine's "
+        "default) each kernel's span in the trace includes its wait for the one before, so "
+        "per-kernel times are only meaningful with this flag (the step itself is slower)",
+    )
     ap.add_argument("--json", default=None)
     ns = ap.parse_args()
     conc = [int(c) for c in ns.concurrency.split(",")]
     length = ns.input_len + 5 + ns.steps + ns.trace_steps + 16
-    runner = build_runner(ns.model, max(conc), length, ns.device)
+    runner = build_runner(ns.model, max(conc), length, ns.device, ns.disable_pdl)
     points = [profile_point(runner, b, ns.input_len, ns.steps, ns.trace_steps) for b in conc]
     name = torch.cuda.get_device_name() if ns.device == "cuda" else "cpu"
-    result = {"label": ns.label, "device": name, "points": points}
+    result = {"label": ns.label, "device": name, "disable_pdl": ns.disable_pdl, "points": points}
     for p in points:
         print(
             f"\n[{ns.label}] concurrency {p['concurrency']}: step {p['step_ms']:.3f} ms, "
