@@ -17,6 +17,7 @@ LAYOUTS = {
     "tp2-ep2-none": (2, 2, "none", False),
     "tp2-ep1-none": (2, 1, "none", False),
     "tp4-ep4-alltoall-dp": (4, 4, "alltoall", True),
+    "tp4-ep4-none": (4, 4, "none", False),  # more ranks than kv heads: each holds a copy of one
     "tp2-ep2-alltoall-dp": (2, 2, "alltoall", True),
     "tp2-ep1-none-dp": (2, 1, "none", True),
 }
