@@ -179,7 +179,8 @@ def paged_decode(
     split_len = triton.cdiv(triton.cdiv(max_context, splits), _BLOCK_N) * _BLOCK_N
     splits = triton.cdiv(max_context, split_len)
     d_pad = next_power_of_2(head_dim)
-    g_pad = max(16, next_power_of_2(group))
+    g_pad = max(16, next_power_of_2(group))  # the decode's row tile (tl.dot takes 16 rows)
+    m_pad = next_power_of_2(group)  # the merge's (no tl.dot there)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     pdl = pdl_supported(q.device)
     if splits > 1:
@@ -215,8 +216,8 @@ def paged_decode(
         BLOCK_N=_BLOCK_N,
         PAGE=block_size,
         DOT_PRECISION=precision,
-        M_PAD=next_power_of_2(group),
-        S_CHUNK=max(2, _MERGE_TILE // (next_power_of_2(group) * d_pad)),
+        M_PAD=m_pad,
+        S_CHUNK=max(2, _MERGE_TILE // (m_pad * d_pad)),
         WHILE_LOOP=not q.is_cuda,
         USE_PDL=pdl,
         num_warps=4,

@@ -271,8 +271,9 @@ if HAS_TRITON:
             o = acc / l_i[:, None]
             tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
         else:
-            base = (b * GROUP * tl.num_programs(1) + heads) * num_splits
-            row = base + s
+            # partial rows: [B, Hq, num_splits]; this kv head's first query head, split 0
+            head0 = (b * GROUP * tl.num_programs(1) + kvh * GROUP) * num_splits
+            row = head0 + g * num_splits + s
             tl.store(acc_ptr + row[:, None] * D_PAD + d[None, :], acc, mask=g_ok[:, None])
             tl.store(stats_ptr + row * 2, m_i, mask=g_ok)
             tl.store(stats_ptr + row * 2 + 1, l_i, mask=g_ok)
@@ -288,7 +289,7 @@ if HAS_TRITON:
                     acc_ptr,
                     stats_ptr,
                     out_ptr + b * stride_ob + m_heads[:, None] * stride_oh + d[None, :],
-                    (b * GROUP * tl.num_programs(1) + m_heads) * num_splits,
+                    head0 + mg * num_splits,
                     mg_ok,
                     used,
                     D_PAD,

@@ -9,8 +9,8 @@ import os
 
 import pytest
 import torch
+from counters import assert_counters_zero
 
-from safeserve.kernels import common
 from safeserve.kernels import fused_moe as fm
 from safeserve.kernels import moe_config as mc
 from safeserve.kernels import topk_softmax as tk
@@ -74,11 +74,6 @@ def _reference(x, w13, w2, weights, ids) -> torch.Tensor:
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
-def _counters_zero() -> bool:
-    """The kernels' arrival counters (split down, align) are back to zero after a call."""
-    return all(int(b.count_nonzero()) == 0 for b in common.ZEROED_COUNTERS.values())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -162,7 +157,7 @@ def test_interpreter_split_down_resets_its_counters() -> None:
             x, w13, w2, weights, ids.to(torch.int32), config=_forced(f"pair+s{split}", 16)
         )
         assert _rel_err(out, ref) < 1e-4
-        assert _counters_zero()
+        assert_counters_zero()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -326,7 +321,7 @@ def test_gpu_cuda_graph_replay(tokens: int, plan: str) -> None:
     ref = _reference(x2, w13, w2, weights2, ids2)
     assert _rel_err(out, ref) <= 1e-2
     if plan.startswith("pair_split") or tokens * 8 > 2048:  # counters back to zero: replay again
-        assert _counters_zero()
+        assert_counters_zero()
         out.fill_(float("nan"))
         for _ in range(3):
             graph.replay()

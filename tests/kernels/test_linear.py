@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from counters import assert_counters_zero
 
-from safeserve.kernels import common
 from safeserve.kernels import linear as lin
 
 HAS_CUDA = torch.cuda.is_available() and lin.HAS_TRITON
@@ -42,7 +42,7 @@ def _check(rows, n, k, bias, plan, device, dtype, tol, seed=0) -> None:
     assert rel <= tol, rel
     again = lin.skinny_linear(x, w, b, plan=plan)
     assert torch.equal(got, again)  # the fixed-order sum: bit-identical every call
-    assert all(int(c.count_nonzero()) == 0 for c in common.ZEROED_COUNTERS.values())
+    assert_counters_zero()
 
 
 @interp
@@ -105,4 +105,4 @@ def test_gpu_linear_graph_replay_model_shapes(shape, rows) -> None:
         ref = F.linear(static.double(), w.double())
         assert ((out.double() - ref).norm() / ref.norm()).item() <= 1e-2
         assert torch.equal(out, lin.skinny_linear(static.clone(), w))
-        assert all(int(c.count_nonzero()) == 0 for c in common.ZEROED_COUNTERS.values())
+        assert_counters_zero()

@@ -8,8 +8,8 @@ import os
 
 import pytest
 import torch
+from counters import assert_counters_zero
 
-from safeserve.kernels import common
 from safeserve.kernels import moe_align as ma
 
 HAS_CUDA = torch.cuda.is_available() and ma.HAS_TRITON
@@ -17,11 +17,6 @@ INTERPRET = ma.HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1"
 
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and Triton")
 interp = pytest.mark.skipif(not INTERPRET, reason="needs Triton and TRITON_INTERPRET=1")
-
-
-def _counters_zero() -> bool:
-    """The kernels' arrival counters (split down, align) are back to zero after a call."""
-    return all(int(b.count_nonzero()) == 0 for b in common.ZEROED_COUNTERS.values())
 
 
 def _check_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> None:
@@ -91,7 +86,7 @@ def test_interpreter_align(pairs: int, experts: int, block_m: int) -> None:
     gen = torch.Generator().manual_seed(pairs)
     for _ in range(2):
         _check_align(torch.randint(-1, experts, (pairs, 1), generator=gen), experts, block_m)
-        assert _counters_zero()
+        assert_counters_zero()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,9 +8,9 @@ import os
 
 import pytest
 import torch
+from counters import assert_counters_zero
 
 from safeserve.engine.attention import AttentionMetadata, paged_attention
-from safeserve.kernels import common
 from safeserve.kernels import paged_attention as pa
 
 HAS_CUDA = torch.cuda.is_available() and pa.HAS_TRITON
@@ -63,12 +63,6 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
 
 
-def _assert_counters_zero() -> None:
-    """Every kernel leaves its arrival counters as it found them: zero."""
-    for key, buf in common.ZEROED_COUNTERS.items():
-        assert int(buf.count_nonzero()) == 0, f"counters {key} left non-zero"
-
-
 def _decode_twice(
     q: torch.Tensor,
     kc: torch.Tensor,
@@ -84,7 +78,7 @@ def _decode_twice(
     for _ in range(2):
         out = torch.full_like(q, float("nan"))
         pa.paged_decode(q, kc, vc, bt, ctx, block_size, scale, out=out)
-        _assert_counters_zero()
+        assert_counters_zero()
         outs.append(out)
     assert not outs[0].isnan().any()
     assert torch.equal(outs[0], outs[1])
@@ -246,7 +240,7 @@ def test_decode_kernel_in_cuda_graph(ctxs: list[int], width: int | None) -> None
         first = out.clone()
         graph.replay()
         torch.cuda.synchronize()
-        _assert_counters_zero()
+        assert_counters_zero()
         assert torch.equal(out, first)
         ref = pa.paged_decode_torch(q.double(), kc.double(), vc.double(), bt, ctx, 16, 0.1)
         assert not out.isnan().any()

@@ -9,8 +9,8 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from counters import assert_counters_zero
 
-from safeserve.kernels import common
 from safeserve.kernels import linear as lin
 from safeserve.kernels import norm_rope as nr
 from safeserve.kernels import qkv_rope as qr
@@ -70,7 +70,7 @@ def _check_qkv(rows, hq, hkv, d, k, bias, device, dtype, tol, seed=0):  # type: 
         untouched = torch.ones(num_slots, dtype=torch.bool, device=device)
         untouched[slots[ok]] = False
         assert cache[untouched].isnan().all()
-    assert all(int(c.count_nonzero()) == 0 for c in common.ZEROED_COUNTERS.values())
+    assert_counters_zero()
     again = [torch.full_like(c, float("nan")) for c in caches]
     q2 = qr.qkv_norm_rope_store(x, w, b, qw, kw, cos, sin, 1e-6, hq, hkv, *again, slots)
     assert torch.equal(q, q2)  # the fixed-order sum: bit-identical every call
@@ -162,4 +162,4 @@ def test_gpu_qkv_norm_rope_store_model_shape_in_a_graph(rows) -> None:
             diff = (got.float() - ref.float()).abs().max().item()
             assert diff <= 2**-6 * ref.float().abs().max().item(), diff
             assert (got != ref).float().mean().item() < 0.01
-        assert all(int(c.count_nonzero()) == 0 for c in common.ZEROED_COUNTERS.values())
+        assert_counters_zero()

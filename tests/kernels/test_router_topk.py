@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from counters import assert_counters_zero
 
 from safeserve.kernels import common
 from safeserve.kernels import router_topk as rt
@@ -68,7 +69,7 @@ def _check(
         rtol=0,
         atol=1e-5 if x.dtype == torch.float32 else 1e-2,
     )
-    assert all(int(b.count_nonzero()) == 0 for b in common.ZEROED_COUNTERS.values())
+    assert_counters_zero()
 
 
 def _inputs(tokens, experts, hidden, with_map, dtype, device, seed):
@@ -132,7 +133,7 @@ def test_gpu_router_topk_graph_replay(tokens: int) -> None:
         )
         assert torch.equal(logits, want_logits)
         assert torch.equal(ids, want_ids) and torch.equal(weights, want_w)
-        assert all(int(b.count_nonzero()) == 0 for b in common.ZEROED_COUNTERS.values())
+        assert_counters_zero()
 
 
 @pytest.mark.gpu
@@ -157,7 +158,7 @@ def test_gpu_counters_survive_other_graphs_in_the_pool() -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
-        assert all(int(b.count_nonzero()) == 0 for b in common.ZEROED_COUNTERS.values())
+        assert_counters_zero()
 
 
 @pytest.mark.gpu
