@@ -175,9 +175,7 @@ def paged_decode(
         return out
     q = q if q.stride(2) == 1 else q.contiguous()
     max_context = block_tables.shape[1] * block_size
-    splits = decode_splits(batch, num_kv_heads, max_context)
-    split_len = triton.cdiv(triton.cdiv(max_context, splits), _BLOCK_N) * _BLOCK_N
-    splits = triton.cdiv(max_context, split_len)
+    splits = decode_splits(batch, num_kv_heads, max_context)  # the kernel cuts each context
     d_pad = next_power_of_2(head_dim)
     g_pad = max(16, next_power_of_2(group))  # the decode's row tile (tl.dot takes 16 rows)
     m_pad = next_power_of_2(group)  # the merge's (no tl.dot there)
@@ -200,7 +198,6 @@ def paged_decode(
         stats,
         sync,
         scale,
-        split_len,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),

@@ -144,7 +144,7 @@ if HAS_TRITON:
     # Values that change from step to step are not specialized (Triton would compile a variant
     # per divisibility by 16, or for 1), so a step of a new shape never waits for a compile:
     # the block tables' width (stride_bt) follows the step's longest context.
-    @triton.jit(do_not_specialize=["scale", "split_len", "stride_bt", "num_splits"])
+    @triton.jit(do_not_specialize=["scale", "stride_bt", "num_splits"])
     def _decode_kernel(
         q_ptr,
         kc_ptr,
@@ -156,7 +156,6 @@ if HAS_TRITON:
         stats_ptr,
         sync_ptr,
         scale,
-        split_len,
         stride_qb,
         stride_qh,
         stride_cs,
@@ -178,32 +177,40 @@ if HAS_TRITON:
         USE_PDL: tl.constexpr,
     ):
         """Program (b, kvh, s) attends split s of sequence b's context for kv head kvh's GROUP
-        query heads. Where the context spans one split, that program writes the result. Where
+        query heads; a context of ctx tokens is cut into splits of cdiv(ctx, num_splits) tokens
+        rounded up to BLOCK_N, so a short context in a wide table still spreads over programs. Where the context spans one split, that program writes the result. Where
         it spans `used` > 1, each of those programs stores its float32 partial (acc [B, Hq,
         num_splits, D_PAD], stats [B, Hq, num_splits, 2] = running max, sum) and bumps the
         (b, kvh) counter of `sync_ptr`; the last of the `used` to arrive merges them
         (`_merge_splits`) and resets the counter to 0. Programs whose split starts past the
         context return at once: they never touch the counter."""
-        pdl_wait(USE_PDL)
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         s = tl.program_id(2)
+        # context_lens is step metadata copied from the host before the step's kernels (no kernel
+        # writes it), so it is read before the dependent-launch wait: a program past its context
+        # exits at once instead of holding a slot on the GPU through the wait
         ctx = tl.load(ctx_ptr + b)
+        # this sequence's own split length: its context over the grid's splits, whole tiles (the
+        # grid is sized for the table's width, which in a CUDA graph is --max-model-len)
+        split_len = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
         lo = s * split_len
         hi = tl.minimum(lo + split_len, ctx)
+        if lo >= hi and s > 0:
+            return
+        pdl_wait(USE_PDL)
         g = tl.arange(0, G_PAD)
         d = tl.arange(0, D_PAD)
         g_ok = g < GROUP
         d_ok = d < HEAD_DIM
         heads = kvh * GROUP + g
         o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
-        if lo >= hi:
-            if s == 0:  # context 0: zeros, so padding rows of a graph batch stay finite
-                zero = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
-                tl.store(o_ptrs, zero.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok)
+        if lo >= hi:  # context 0 (split 0): zeros, so padding rows of a graph batch stay finite
+            zero = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
+            tl.store(o_ptrs, zero.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok)
             return
         # the splits that hold tokens: every program of (b, kvh) computes the same count
-        used = tl.minimum((ctx + split_len - 1) // split_len, num_splits)
+        used = tl.cdiv(ctx, split_len)  # at most num_splits
         q = tl.load(
             q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
             mask=g_ok[:, None] & d_ok[None, :],

@@ -155,11 +155,13 @@ def test_decode_kernel_matches_reference(case: int, dtype: torch.dtype) -> None:
 
 
 WIDE_CASES = [
-    # context lengths, Hq, Hkv, table width in blocks of 16 (splits, split length)
-    ([3, 40], 8, 2, 64),  # 16 splits of 64, one used each: no merge
-    ([3, 0, 300, 40], 8, 2, 256),  # 64 splits of 64: 1, 0, 5 and 1 used
-    ([3, 0, 300, 40], 8, 8, 256),  # group 1: 16 splits of 256
-    ([300], 32, 4, 1024),  # one sequence: 128 splits of 128, 3 used
+    # context lengths, Hq, Hkv, table width in blocks of 16 (grid splits; each context is cut
+    # into splits of cdiv(context, splits) tokens rounded up to 64)
+    ([3, 40], 8, 2, 64),  # 16 splits, one used each: no merge
+    ([3, 0, 300, 40], 8, 2, 256),  # 64 splits: 1, 0, 5 and 1 used
+    ([3, 0, 300, 200], 8, 8, 256),  # group 1, 16 splits: 1, 0, 5 and 4 used
+    ([300], 32, 4, 1024),  # one sequence, 128 splits: 5 used
+    ([576], 32, 4, 2560),  # a graph bucket's table (40,960 tokens), 128 splits: 9 used
 ]
 
 
