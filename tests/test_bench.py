@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from safeserve.cli import main
+from safeserve.model.checkpoint import load_model_config
 
 
 def test_bench_tiny_cpu_with_transformers_peer(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
@@ -52,6 +53,8 @@ def test_bench_tiny_cpu_with_transformers_peer(tmp_path: Path, capsys) -> None: 
     assert result["points"][1]["step_bytes"] > result["points"][0]["step_bytes"]
     mb = result["model_bytes"]
     assert mb["dense_bytes"] > 0 and mb["expert_bytes"] > 0 and mb["kv_bytes_per_token"] > 0
+    # serve's context length (the model's), not input + output: graph tables are that wide
+    assert mb["max_model_len"] == load_model_config("tiny").max_position_embeddings > 16
     peer = result["peer"]["points"]
     assert [p["concurrency"] for p in peer] == [1, 3]
     for p in peer:
@@ -63,6 +66,10 @@ def test_bench_tiny_cpu_with_transformers_peer(tmp_path: Path, capsys) -> None: 
 def test_bench_rejects_bad_flags(capsys) -> None:  # type: ignore[no-untyped-def]
     assert main(["bench", "--concurrency", "0,2"]) == 2
     assert "positive" in capsys.readouterr().err
+    assert main(["bench", "--max-model-len", "100", "--input-len", "90", "--output-len", "20"]) == 2
+    assert "--max-model-len 100 < input + output = 110" in capsys.readouterr().err
+    assert main(["bench", "--model", "/nonexistent/ckpt"]) == 2
+    assert "neither 'tiny' nor a local checkpoint" in capsys.readouterr().err
     # a layout of several ranks: one line naming the script that benchmarks it, no traceback
     assert main(["bench", "--tp-size", "2"]) == 2
     err = capsys.readouterr().err

@@ -150,6 +150,7 @@ def run_engine(args: ServerArgs, opts: BenchOptions, ceiling: float) -> tuple[di
     runner.capture_cuda_graphs()
     progress(
         f"ready in {time.perf_counter() - t0:.1f} s: {runner.num_blocks} KV blocks, "
+        f"max model length {runner.max_model_len}, "
         f"CUDA graphs {'on' if runner.cuda_graphs is not None else 'off'}"
     )
     sizes = ModelBytes.of(runner)
@@ -188,5 +189,6 @@ def run_engine(args: ServerArgs, opts: BenchOptions, ceiling: float) -> tuple[di
         "kv_bytes_per_token": sizes.kv_token,
         "cuda_graphs": runner.cuda_graphs is not None,
         "num_kv_blocks": runner.num_blocks,
+        "max_model_len": runner.max_model_len,
     }
     return {"points": points, "model_bytes": info}, runner

@@ -78,16 +78,22 @@ class BenchOptions:
 
 
 def bench_server_args(args: ServerArgs, opts: BenchOptions) -> ServerArgs:
-    """Room for the largest batch at full length; context just long enough unless given."""
+    """Room for the largest batch. The context length stays `serve`'s (--max-model-len, else the
+    model's), not just input + output: a decode graph's block table is as wide as it, and the
+    step is timed as the server runs it."""
+    return dataclasses.replace(
+        args, max_running_requests=max(args.max_running_requests, max(opts.concurrency))
+    )
+
+
+def check_context(args: ServerArgs, opts: BenchOptions) -> None:
+    """Prompts and outputs fit the context length (ValueError, LoadError for a bad --model)."""
+    from safeserve.model.checkpoint import load_model_config
+
+    max_len = args.max_model_len or load_model_config(args.model).max_position_embeddings
     need_len = opts.input_len + opts.output_len
-    max_len = args.max_model_len or need_len
     if max_len < need_len:
         raise ValueError(f"--max-model-len {max_len} < input + output = {need_len}")
-    return dataclasses.replace(
-        args,
-        max_model_len=max_len,
-        max_running_requests=max(args.max_running_requests, max(opts.concurrency)),
-    )
 
 
 def progress(msg: str) -> None:

@@ -13,7 +13,7 @@ import torch
 
 from safeserve.bench.engine import make_prompts, run_engine
 from safeserve.bench.floor import measure_read_ceiling
-from safeserve.bench.options import BenchOptions, bench_server_args, progress
+from safeserve.bench.options import BenchOptions, bench_server_args, check_context, progress
 from safeserve.bench.peer import run_transformers
 from safeserve.config import ServerArgs
 
@@ -115,6 +115,7 @@ def main(ns: argparse.Namespace) -> int:
         args = ServerArgs.from_cli_args(ns)
         opts = BenchOptions.from_namespace(ns)
         check_one_rank(args)
+        check_context(args, opts)
     except (ConfigError, ValueError) as e:
         print(f"safeserve bench: error: {e}", file=sys.stderr)
         return 2
