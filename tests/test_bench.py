@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
+
+import pytest
 
 from safeserve.cli import main
 from safeserve.model.checkpoint import load_model_config
@@ -74,3 +77,37 @@ def test_bench_rejects_bad_flags(capsys) -> None:  # type: ignore[no-untyped-def
     assert main(["bench", "--tp-size", "2"]) == 2
     err = capsys.readouterr().err
     assert "kernels/bench_tp_decode.py" in err and "Traceback" not in err
+
+
+def _bench_serve():  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location(
+        "bench_serve", Path(__file__).parents[1] / "kernels" / "bench_serve.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.slow
+def test_bench_serve_times_a_real_server(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """kernels/bench_serve.py starts `safeserve serve`, streams c requests at once per round and
+    times them as the client sees them; every request gets all its tokens."""
+    out = tmp_path / "serve.json"
+    argv = ["--concurrency", "1,3", "--input-len", "10", "--output-len", "6", "--json", str(out)]
+    assert _bench_serve().main([*argv, "--", "--model", "tiny"]) == 0
+    result = json.loads(out.read_text())
+    assert [p["concurrency"] for p in result["points"]] == [1, 3]
+    for p in result["points"]:
+        assert [r["requests"] for r in p["rounds"]] == [p["concurrency"]] * 2  # warm-up + 1
+        m = p["measured"]
+        assert m["unfinished"] == 0 and m["requests"] == p["concurrency"]
+        assert m["ttft_ms_median"] > 0 and m["tpot_ms_median"] > 0 and m["output_tok_s"] > 0
+        assert 0 <= m["itl_ms_median"] <= m["itl_ms_p90"]
+    assert (tmp_path / "bench_serve_server.log").exists()
+    assert "| 3 |" in capsys.readouterr().out
+
+
+def test_bench_serve_needs_a_url_or_server_args(capsys) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(SystemExit):
+        _bench_serve().main(["--concurrency", "1"])
+    assert "give either --url or the server's arguments after --" in capsys.readouterr().err

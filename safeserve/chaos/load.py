@@ -68,31 +68,45 @@ class Load:
     def now(self) -> float:
         return time.monotonic() - self.t0
 
+    def _http(self) -> httpx.AsyncClient:
+        limits = httpx.Limits(max_connections=self.spec.concurrency + 4)
+        timeout = httpx.Timeout(self.spec.request_timeout_s, connect=10.0)
+        return httpx.AsyncClient(limits=limits, timeout=timeout)
+
     async def run(self, t0: float) -> None:
         """Runs until `duration_s` after t0, then lets the requests in flight finish."""
         self.t0 = t0
         self._stop_at = self.spec.duration_s
-        limits = httpx.Limits(max_connections=self.spec.concurrency + 4)
-        timeout = httpx.Timeout(self.spec.request_timeout_s, connect=10.0)
-        async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        async with self._http() as client:
             n = self.spec.concurrency
             await asyncio.gather(
                 *(self._client(client, i * self.spec.ramp_s / n) for i in range(n))
             )
 
+    async def one_round(self, t0: float) -> None:
+        """Each of the `concurrency` clients sends one request, all at once, and waits for its
+        end (kernels/bench_serve.py: a batch that starts together, as `safeserve bench`'s)."""
+        self.t0 = t0
+        async with self._http() as client:
+            await asyncio.gather(*(self._request(client) for _ in range(self.spec.concurrency)))
+
     async def _client(self, client: httpx.AsyncClient, start_at: float) -> None:
         await asyncio.sleep(max(0.0, start_at - self.now()))
         while self.now() < self._stop_at:
-            rec = RequestRecord(len(self.records), 0, self.now())
-            rec.prompt = rec.index % len(self.prompts)
-            self.records.append(rec)
-            self.in_flight += 1
-            try:
-                await self._one(client, rec)
-            finally:
-                self.in_flight -= 1
+            rec = await self._request(client)
             if rec.error and rec.status in (429, 503):
                 await asyncio.sleep(0.2)  # told to back off: do, as a real client would
+
+    async def _request(self, client: httpx.AsyncClient) -> RequestRecord:
+        rec = RequestRecord(len(self.records), 0, self.now())
+        rec.prompt = rec.index % len(self.prompts)
+        self.records.append(rec)
+        self.in_flight += 1
+        try:
+            await self._one(client, rec)
+        finally:
+            self.in_flight -= 1
+        return rec
 
     async def _one(self, client: httpx.AsyncClient, rec: RequestRecord) -> None:
         body = {
