@@ -3,7 +3,7 @@ already running, `--url`), hit by `c` streaming clients at each concurrency `c`.
 
 Each point runs `--rounds` rounds; in a round every client sends one greedy completion of
 `--input-len` prompt tokens and `--output-len` output tokens (ignore_eos), all at once, as
-`safeserve bench` starts its batches. The first round only warms up (the first requests of a
+`safeserve bench` starts its batches, with its prompts (`bench_prompts`). The first round only warms up (the first requests of a
 shape pay compiles) unless `--rounds 1`. Per point it prints the median time to first token,
 the median and p90 inter-token latency (gaps between streamed tokens, the number peer serving
 benchmarks report as ITL; tokens that arrive in one streamed chunk share its arrival time, as
@@ -33,6 +33,7 @@ from pathlib import Path
 
 import httpx
 
+from safeserve.bench import make_prompts
 from safeserve.chaos.load import Load, RequestRecord
 from safeserve.chaos.runner import LocalServer
 from safeserve.chaos.scenario import LoadSpec
@@ -66,7 +67,24 @@ def summarize(records: list[RequestRecord], output_len: int) -> dict:
     }
 
 
-async def run_point(url: str, model: str, c: int, opts: argparse.Namespace) -> dict:
+def bench_prompts(opts: argparse.Namespace, serve_args: list[str]) -> list[list[int]] | None:
+    """`safeserve bench`'s prompts (random ids over the vocabulary, seed 0: client c gets the
+    c-th), so the two measure the same inputs, and with dummy weights the same routing; the
+    vocabulary is `--vocab`, else that of the `--model` started here. None: the chaos load's
+    prompts (ids 10-249, which any tokenizer has; their routing is not the bench's)."""
+    vocab = opts.vocab
+    if vocab is None and "--model" in serve_args:
+        from safeserve.model.checkpoint import load_model_config
+
+        vocab = load_model_config(serve_args[serve_args.index("--model") + 1]).vocab_size
+    if vocab is None:
+        return None
+    return make_prompts(max(opts.concurrency), opts.input_len, vocab, opts.seed)
+
+
+async def run_point(
+    url: str, model: str, c: int, opts: argparse.Namespace, prompts: list[list[int]] | None
+) -> dict:
     spec = LoadSpec(
         concurrency=c,
         prompt_tokens=opts.input_len,
@@ -78,6 +96,8 @@ async def run_point(url: str, model: str, c: int, opts: argparse.Namespace) -> d
     rounds = []
     for i in range(opts.rounds):
         load = Load(url, spec, model, opts.api_key)
+        if prompts is not None:
+            load.prompts = prompts[:c]
         await load.one_round(time.monotonic())
         rounds.append(summarize(load.records, opts.output_len))
         tag = "warm-up" if i == 0 and opts.rounds > 1 else "round"
@@ -150,6 +170,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--rounds", type=int, default=2, help="per point, the first one a warm-up")
+    p.add_argument("--vocab", type=int, help="prompt ids below this (default: the model's)")
+    p.add_argument("--seed", type=int, default=0, help="of the prompts (safeserve bench's: 0)")
     p.add_argument("--start-timeout", type=float, default=900.0)
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--json", type=Path)
@@ -171,6 +193,7 @@ async def _model(url: str, api_key: str | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     opts, serve_args = parse(sys.argv[1:] if argv is None else argv)
+    prompts = bench_prompts(opts, serve_args)
     server = None
     url = opts.url
     if url is None:
@@ -184,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         url = server.url
     try:
         model = asyncio.run(_model(url, opts.api_key))
-        points = [asyncio.run(run_point(url, model, c, opts)) for c in opts.concurrency]
+        points = [asyncio.run(run_point(url, model, c, opts, prompts)) for c in opts.concurrency]
     finally:
         if server is not None:
             server.stop()
@@ -195,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         "input_len": opts.input_len,
         "output_len": opts.output_len,
         "rounds": opts.rounds,
+        "prompts": "safeserve bench's" if prompts is not None else "chaos load's (ids 10-249)",
         "points": points,
     }
     print(table(points), flush=True)

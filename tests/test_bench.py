@@ -97,6 +97,7 @@ def test_bench_serve_times_a_real_server(tmp_path: Path, capsys) -> None:  # typ
     assert _bench_serve().main([*argv, "--", "--model", "tiny"]) == 0
     result = json.loads(out.read_text())
     assert [p["concurrency"] for p in result["points"]] == [1, 3]
+    assert result["prompts"] == "safeserve bench's"  # the tiny model's vocabulary, seed 0
     for p in result["points"]:
         assert [r["requests"] for r in p["rounds"]] == [p["concurrency"]] * 2  # warm-up + 1
         m = p["measured"]
