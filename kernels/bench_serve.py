@@ -31,11 +31,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
-
 from safeserve.bench import make_prompts
 from safeserve.chaos.load import Load, RequestRecord
-from safeserve.chaos.runner import LocalServer
+from safeserve.chaos.runner import LocalServer, served_model
 from safeserve.chaos.scenario import LoadSpec
 
 
@@ -183,14 +181,6 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return opts, serve_args
 
 
-async def _model(url: str, api_key: str | None) -> str:
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    async with httpx.AsyncClient(timeout=10.0) as client:
-        r = await client.get(url + "/v1/models", headers=headers)
-        r.raise_for_status()
-        return r.json()["data"][0]["id"]
-
-
 def main(argv: list[str] | None = None) -> int:
     opts, serve_args = parse(sys.argv[1:] if argv is None else argv)
     prompts = bench_prompts(opts, serve_args)
@@ -206,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         _progress(f"server ready in {time.monotonic() - t0:.0f} s")
         url = server.url
     try:
-        model = asyncio.run(_model(url, opts.api_key))
+        model = asyncio.run(served_model(url, opts.api_key))
         points = [asyncio.run(run_point(url, model, c, opts, prompts)) for c in opts.concurrency]
     finally:
         if server is not None:

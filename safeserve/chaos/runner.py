@@ -131,7 +131,8 @@ async def _all_ready(obs: Observer, timeout: float, progress: TextIO) -> list[di
             await asyncio.sleep(1.0)
 
 
-async def _model(url: str, key: str | None) -> str:
+async def served_model(url: str, key: str | None) -> str:
+    """The model id the server at `url` serves (/v1/models)."""
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     async with httpx.AsyncClient(timeout=10.0) as c:
         r = await c.get(url + "/v1/models", headers=headers)
@@ -186,7 +187,7 @@ async def run(
 ) -> dict[str, Any]:
     obs = Observer(url.rstrip("/"), admin_url.rstrip("/"), admin_key)
     groups_before = await _all_ready(obs, ready_timeout, progress)
-    model = await _model(obs.url, api_key)
+    model = await served_model(obs.url, api_key)
     async with httpx.AsyncClient(timeout=10.0) as c:
         before = await obs.metrics(c)
     load = Load(obs.url, sc.load, model, api_key)
