@@ -274,6 +274,9 @@ class ModelRunner:
         if args.num_kv_blocks is not None:
             return args.num_kv_blocks
         if self.device.type == "cuda":
+            # Memory the allocator caches (freed temporaries of the weight fill) is free to us
+            # but not to the driver's count: hand it back before counting.
+            torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
             budget = free - (1 - args.mem_fraction_static) * total
             if budget <= per_block:

@@ -53,7 +53,7 @@ def build_model(
     torch_dtype = DTYPES[dtype]
     with torch.device("meta"), _NoInitOnMeta():
         net = Qwen3MoeForCausalLM(cfg, layout, comm, dispatcher)
-    net = _to_empty(net, device).to(torch_dtype)
+    net = _to_empty(net, device, torch_dtype)
     # Buffers are not parameters: recompute them on the real device.
     net.rotary.__init__(cfg.head_dim, cfg.rope_theta)  # type: ignore[misc]
     net.rotary.to(device)
@@ -101,12 +101,20 @@ class _NoInitOnMeta(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _to_empty(net: torch.nn.Module, device: str | torch.device) -> torch.nn.Module:
-    """`net.to_empty(device=device)` through `torch.empty_strided` (the same sizes, strides and
-    dtype as `empty_like`): `empty_like` of a meta tensor runs a Python decomposition whose
-    first call imports sympy, about 1 s of every rank's start-up."""
+def _to_empty(
+    net: torch.nn.Module, device: str | torch.device, dtype: torch.dtype
+) -> torch.nn.Module:
+    """`net.to_empty(device=device).to(dtype)` in one pass through `torch.empty_strided`:
+    `empty_like` of a meta tensor runs a Python decomposition whose first call imports sympy,
+    about 1 s of every rank's start-up. Floating tensors are made in `dtype` at once: made in
+    the modules' float32 and cast afterwards, a bf16 model held twice its size on the device
+    for a moment, and the allocator kept that memory cached, so the KV cache, sized from the
+    device's free memory, lost as much as the weights (4 GB of KV on an H200 with
+    Qwen3-30B-A3B instead of about 60)."""
     return net._apply(
-        lambda t: torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device)
+        lambda t: torch.empty_strided(
+            t.size(), t.stride(), dtype=dtype if t.is_floating_point() else t.dtype, device=device
+        )
     )
 
 
