@@ -178,12 +178,13 @@ if HAS_TRITON:
     ):
         """Program (b, kvh, s) attends split s of sequence b's context for kv head kvh's GROUP
         query heads; a context of ctx tokens is cut into splits of cdiv(ctx, num_splits) tokens
-        rounded up to BLOCK_N, so a short context in a wide table still spreads over programs. Where the context spans one split, that program writes the result. Where
-        it spans `used` > 1, each of those programs stores its float32 partial (acc [B, Hq,
-        num_splits, D_PAD], stats [B, Hq, num_splits, 2] = running max, sum) and bumps the
-        (b, kvh) counter of `sync_ptr`; the last of the `used` to arrive merges them
-        (`_merge_splits`) and resets the counter to 0. Programs whose split starts past the
-        context return at once: they never touch the counter."""
+        rounded up to BLOCK_N, so a short context in a wide table still spreads over programs.
+        Where the context spans one split, that program writes the result. Where it spans
+        `used` > 1, each of those programs stores its float32 partial (acc [B, Hq, num_splits,
+        D_PAD], stats [B, Hq, num_splits, 2] = running max, sum) and bumps the (b, kvh) counter
+        of `sync_ptr`; the last of the `used` to arrive merges them (`_merge_splits`) and resets
+        the counter to 0. Programs whose split starts past the context return at once: they
+        never touch the counter."""
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         s = tl.program_id(2)
