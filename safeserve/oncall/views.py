@@ -12,6 +12,8 @@ RECENT_S = 3600.0  # verdicts older than this no longer point to a runbook
 # At or below this balancedness (last 10 passes) the routing counts as skewed: for EP2 it means
 # one rank gets 5x the pairs of the other; for EP4 and more, well above the 1/ep_size floor.
 SKEWED_BALANCEDNESS = 0.6
+# KV cache this full, with requests waiting, points to the kv-pressure runbook (so do preemptions).
+KV_FULL = 0.9
 
 
 def table(header: list[str], rows: list[list[Any]]) -> str:
@@ -49,14 +51,38 @@ def groups_table(groups: list[dict[str, Any]], now: float | None = None) -> str:
                 g["running"],
                 g["waiting"],
                 g["in_flight"],
+                _kv_used(g),
+                g.get("preemptions"),
                 g["failures"],
                 g["restarts"],
                 _balance10(g),
                 verdict,
             ]
         )
-    header = ["GROUP", "STATE", "RANKS", "RUNNING", "WAITING", "IN-FLIGHT", "FAILURES"]
-    return table([*header, "RESTARTS", "BALANCE", "LAST-VERDICT"], rows)
+    header = ["GROUP", "STATE", "RANKS", "RUNNING", "WAITING", "IN-FLIGHT", "KV-USED"]
+    return table([*header, "PREEMPTED", "FAILURES", "RESTARTS", "BALANCE", "LAST-VERDICT"], rows)
+
+
+def _kv_share(g: dict[str, Any]) -> float | None:
+    total = g.get("kv_blocks_total")
+    return g["kv_blocks_used"] / total if total else None
+
+
+def _kv_used(g: dict[str, Any]) -> str | None:
+    """Share of the group's KV blocks in use (None until its engine has reported)."""
+    share = _kv_share(g)
+    return None if share is None else f"{100 * share:.0f}%"
+
+
+def _kv_line(g: dict[str, Any]) -> str:
+    total = g.get("kv_blocks_total")
+    if not total:
+        return "-  (no report from the group's engine yet)"
+    size = g.get("kv_block_size") or 0
+    return (
+        f"{g['kv_blocks_used']} of {total} blocks used ({_kv_used(g)}; {total * size} tokens in "
+        f"all), {g.get('preemptions', 0)} requests preempted since the group last started"
+    )
 
 
 def _balance10(g: dict[str, Any]) -> str | None:
@@ -127,6 +153,14 @@ def runbooks_for(
         skew.append(f"expert load balancedness {_balance10(g)} over the last 10 passes")
     if skew:
         out.append(("dispatch-skew", "; ".join(skew) + ": routing is skewed"))
+    kv = []
+    if g.get("preemptions"):
+        kv.append(f"{g['preemptions']} requests preempted since the group last started")
+    share = _kv_share(g)
+    if share is not None and share >= KV_FULL and g["waiting"]:
+        kv.append(f"KV cache {_kv_used(g)} used with {g['waiting']} requests waiting")
+    if kv:
+        out.append(("kv-pressure", "; ".join(kv)))
     if not any(x["state"] == "READY" for x in all_groups):
         out.append(("no-ready-group", "no group is READY: new requests get 503"))
     return out
@@ -147,6 +181,7 @@ def describe_group(
         f"Group:        {g['id']}",
         f"State:        {g['state']}" + ("  (crash loop)" if g.get("crash_loop") else ""),
         f"Requests:     {g['running']} running, {g['waiting']} waiting, {g['in_flight']} in flight",
+        f"KV cache:     {_kv_line(g)}",
         f"Failures:     {g['failures']} ({g['restarts']} restarts)",
         f"Last failure: {g.get('last_failure') or '-'}",
         f"Balance:      {_balance(g.get('eplb_balancedness') or {})}",

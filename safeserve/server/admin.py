@@ -63,6 +63,11 @@ def group_view(state: ServerState) -> list[dict[str, Any]]:
                 "running": g.stats.num_running if g is not None else 0,
                 "waiting": g.stats.num_waiting if g is not None else 0,
                 "in_flight": sup.load,
+                # the KV cache of the group's current incarnation (0 until it reports)
+                "kv_blocks_used": g.stats.kv_blocks_used if g is not None else 0,
+                "kv_blocks_total": g.stats.kv_blocks_total if g is not None else 0,
+                "kv_block_size": state.args.block_size,
+                "preemptions": g.stats.num_preemptions if g is not None else 0,
                 "eplb_balancedness": {
                     str(w): round(v, 4)
                     for w, v in group_balancedness(

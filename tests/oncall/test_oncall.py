@@ -46,13 +46,22 @@ def test_oncall_views_actions_and_runbooks(server_factory) -> None:
     a = s.admin_url
     for g in (0, 1):  # /ready answers once one group is up
         _wait(a, g, "READY")
+    deadline = time.monotonic() + 10  # a group's first stats follow its READY (heartbeat period)
+    while not all(g["kv_blocks_total"] for g in httpx.get(a + "/admin/groups").json()["groups"]):
+        assert time.monotonic() < deadline, "no KV report from a READY group"
+        time.sleep(0.1)
 
     r = oncall(a, "get", "groups")
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert lines[0].split()[:3] == ["GROUP", "STATE", "RANKS"]
     assert [ln.split()[:3] for ln in lines[1:]] == [["0", "READY", "2"], ["1", "READY", "2"]]
+    assert lines[0].split()[6:8] == ["KV-USED", "PREEMPTED"]
     groups = json.loads(oncall(a, "get", "groups", "-o", "json").stdout)
+    for g in groups:  # idle: an empty cache of the blocks the engine reported at start
+        assert g["kv_blocks_total"] > 0 and g["kv_blocks_used"] == 0 and g["preemptions"] == 0
+        assert g["kv_block_size"] == 16
+    assert [ln.split()[6:8] for ln in lines[1:]] == [["0%", "0"], ["0%", "0"]]
     pids = {g["id"]: [rk["pid"] for rk in g["ranks"]] for g in groups}
     ranks = oncall(a, "get", "ranks").stdout.splitlines()
     assert len(ranks) == 1 + 4 and ranks[1].split()[:2] == ["0/0", str(pids[0][0])]
@@ -127,3 +136,39 @@ def test_ranks_table_shows_graph_replays_where_a_rank_has_graphs() -> None:
     }
     lines = ranks_table([group]).splitlines()
     assert [ln.split()[-1] for ln in lines] == ["GRAPHS(DECODE/PIECEWISE)", "120/7", "-/3", "-"]
+
+
+def test_kv_columns_and_the_kv_pressure_runbook() -> None:
+    from safeserve.oncall.views import describe_group, groups_table, runbooks_for
+
+    def group(used: int, waiting: int, preemptions: int, total: int = 1000) -> dict:
+        return {
+            "id": 0,
+            "state": "READY",
+            "ranks": [],
+            "running": 8,
+            "waiting": waiting,
+            "in_flight": 8 + waiting,
+            "kv_blocks_used": used,
+            "kv_blocks_total": total,
+            "kv_block_size": 16,
+            "preemptions": preemptions,
+            "failures": 0,
+            "restarts": 0,
+        }
+
+    def books(g: dict) -> dict:
+        return dict(runbooks_for(g, [g], now=0.0))
+
+    row = groups_table([group(935, 3, 2)], now=0.0).splitlines()[1].split()
+    assert row[6:8] == ["94%", "2"]
+    assert "kv-pressure" not in books(group(500, 3, 0))  # room left
+    assert "kv-pressure" not in books(group(950, 0, 0))  # full, but nobody waits
+    assert books(group(950, 4, 0))["kv-pressure"] == "KV cache 95% used with 4 requests waiting"
+    assert "3 requests preempted" in books(group(100, 0, 3))["kv-pressure"]
+    desc = describe_group(group(250, 0, 0), [], now=0.0)
+    assert "KV cache:     250 of 1000 blocks used (25%; 16000 tokens in all)" in desc
+    # a group whose engine has not reported yet: no share, no runbook
+    fresh = group(0, 0, 0, total=0)
+    assert groups_table([fresh], now=0.0).splitlines()[1].split()[6] == "-"
+    assert "kv-pressure" not in books(fresh) and "no report" in describe_group(fresh, [], now=0.0)
