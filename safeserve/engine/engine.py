@@ -74,12 +74,15 @@ class Engine:
         tokenizer = load_tokenizer(args.model, cfg.eos_token_ids, args.load_format == "dummy")
         self.eos_token_ids = set(tokenizer.eos_token_ids)
         self.step_id = 0
+        kv_gib = sum(k.nbytes + v.nbytes for k, v in self.runner.kv.layers) / 2**30
         logger.info(
-            "engine ready: %d attention rank(s) x %d KV blocks of %d tokens, max model length %d, "
-            "chunk %d, step budget %d per attention rank",
+            "engine ready: %d attention rank(s) x %d KV blocks of %d tokens (%d tokens, %.1f GiB "
+            "a rank), max model length %d, chunk %d, step budget %d per attention rank",
             dp_size,
             self.num_blocks,
             args.block_size,
+            self.num_blocks * args.block_size,
+            kv_gib,
             self.max_model_len,
             self.scheduler.chunk,
             self.scheduler.token_budget,

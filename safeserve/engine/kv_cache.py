@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 from collections import deque
+from typing import TYPE_CHECKING
 
 import torch
 
 from safeserve.engine.request import Request
+
+if TYPE_CHECKING:
+    from safeserve.config import ServerArgs
+
+logger = logging.getLogger(__name__)
 
 
 class BlockAllocator:
@@ -72,3 +79,41 @@ class KVCache:
         num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
     ) -> int:
         return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+
+
+def kv_blocks_from_memory(
+    args: ServerArgs, per_block: int, device: torch.device, max_model_len: int
+) -> int:
+    """KV blocks for one rank: on a GPU what is free after the weights, less the share
+    `--mem-fraction-static` keeps for activations and graphs; on the CPU `--kv-cache-memory-gb`.
+    Never more than every running request at full length."""
+    if device.type == "cuda":
+        # Memory the allocator caches (freed temporaries of the weight fill) is free to us but
+        # not to the driver's count: hand it back before counting.
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(device)
+        keep = (1 - args.mem_fraction_static) * total
+        budget = free - keep
+        gib = 2**30
+        if budget <= per_block:
+            raise RuntimeError(
+                f"no device memory left for the KV cache: {free / gib:.1f} GiB free of "
+                f"{total / gib:.1f} after the weights, and --mem-fraction-static "
+                f"{args.mem_fraction_static} keeps {keep / gib:.1f} GiB for activations; "
+                "raise it, or free the device of other processes"
+            )
+        blocks = int(budget // per_block)
+        logger.info(
+            "KV cache from device memory: %.1f GiB free of %.1f after the weights "
+            "(%.1f GiB allocated), %.1f GiB kept (--mem-fraction-static %s): %d blocks",
+            free / gib,
+            total / gib,
+            torch.cuda.memory_allocated(device) / gib,
+            keep / gib,
+            args.mem_fraction_static,
+            blocks,
+        )
+    else:
+        blocks = int(args.kv_cache_memory_gb * (1 << 30) // per_block)
+    per_req = (max_model_len + args.block_size - 1) // args.block_size
+    return max(2, min(blocks, args.max_running_requests * per_req))

@@ -16,7 +16,7 @@ import torch
 from safeserve.config import ServerArgs
 from safeserve.engine.attention import AttentionMetadata
 from safeserve.engine.cuda_graph import DecodeCudaGraphs
-from safeserve.engine.kv_cache import KVCache
+from safeserve.engine.kv_cache import KVCache, kv_blocks_from_memory
 from safeserve.engine.parallel import Comm, Layout
 from safeserve.engine.piecewise_graph import PiecewiseCudaGraphs
 from safeserve.engine.plan import Faults, SeqPlan, StepPlan
@@ -263,32 +263,16 @@ class ModelRunner:
 
     def _num_kv_blocks(self) -> int:
         args, cfg = self.args, self.config
-        heads = head_split(cfg, self.layout)
+        if args.num_kv_blocks is not None:
+            return args.num_kv_blocks
         per_block = KVCache.bytes_per_block(
             cfg.num_hidden_layers,
             args.block_size,
-            heads.num_kv_heads,
+            head_split(cfg, self.layout).num_kv_heads,
             cfg.head_dim,
             DTYPES[args.dtype],
         )
-        if args.num_kv_blocks is not None:
-            return args.num_kv_blocks
-        if self.device.type == "cuda":
-            # Memory the allocator caches (freed temporaries of the weight fill) is free to us
-            # but not to the driver's count: hand it back before counting.
-            torch.cuda.empty_cache()
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = free - (1 - args.mem_fraction_static) * total
-            if budget <= per_block:
-                raise RuntimeError(
-                    "no device memory left for the KV cache; lower --mem-fraction-static"
-                )
-            blocks = int(budget // per_block)
-        else:
-            blocks = int(args.kv_cache_memory_gb * (1 << 30) // per_block)
-        # More than every running request at full length is never used.
-        per_req = (self.max_model_len + args.block_size - 1) // args.block_size
-        return max(2, min(blocks, args.max_running_requests * per_req))
+        return kv_blocks_from_memory(args, per_block, self.device, self.max_model_len)
 
     def _agree_min(self, value: int) -> int:
         """Every rank must hold the same number of blocks: take the smallest."""
