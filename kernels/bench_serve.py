@@ -31,9 +31,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import httpx
+
 from safeserve.bench import make_prompts
 from safeserve.chaos.load import Load, RequestRecord
-from safeserve.chaos.runner import LocalServer, served_model
+from safeserve.chaos.runner import LocalServer, ServerStartError, served_model
 from safeserve.chaos.scenario import LoadSpec
 
 
@@ -183,6 +185,31 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     opts, serve_args = parse(sys.argv[1:] if argv is None else argv)
+    try:
+        points, same_prompts = _run(opts, serve_args)
+    except (ValueError, ServerStartError, httpx.HTTPError) as e:  # LoadError is a ValueError
+        print(f"bench_serve: error: {e}", file=sys.stderr)
+        return 2
+    result = {
+        "command": " ".join(sys.argv),
+        "serve_args": serve_args,
+        "url": opts.url,
+        "input_len": opts.input_len,
+        "output_len": opts.output_len,
+        "rounds": opts.rounds,
+        "prompts": "safeserve bench's" if same_prompts else "chaos load's (ids 10-249)",
+        "points": points,
+    }
+    print(table(points), flush=True)
+    if opts.json:
+        opts.json.write_text(json.dumps(result, indent=1))
+        _progress(f"wrote {opts.json}")
+    return 1 if any(p["measured"]["unfinished"] for p in points) else 0
+
+
+def _run(opts: argparse.Namespace, serve_args: list[str]) -> tuple[list[dict], bool]:
+    """Every point, and whether the prompts were `safeserve bench`'s; starts (and stops) the
+    server unless --url is given."""
     prompts = bench_prompts(opts, serve_args)
     server = None
     url = opts.url
@@ -192,30 +219,16 @@ def main(argv: list[str] | None = None) -> int:
         _progress(f"starting safeserve serve {' '.join(serve_args)} (log: {log})")
         server = LocalServer(serve_args, log)
         t0 = time.monotonic()
-        server.wait_ready(opts.start_timeout, sys.stderr)
+        server.wait_ready(opts.start_timeout, sys.stderr)  # stops it when it gives up
         _progress(f"server ready in {time.monotonic() - t0:.0f} s")
         url = server.url
     try:
         model = asyncio.run(served_model(url, opts.api_key))
         points = [asyncio.run(run_point(url, model, c, opts, prompts)) for c in opts.concurrency]
+        return points, prompts is not None
     finally:
         if server is not None:
             server.stop()
-    result = {
-        "command": " ".join(sys.argv),
-        "serve_args": serve_args,
-        "url": opts.url,
-        "input_len": opts.input_len,
-        "output_len": opts.output_len,
-        "rounds": opts.rounds,
-        "prompts": "safeserve bench's" if prompts is not None else "chaos load's (ids 10-249)",
-        "points": points,
-    }
-    print(table(points), flush=True)
-    if opts.json:
-        opts.json.write_text(json.dumps(result, indent=1))
-        _progress(f"wrote {opts.json}")
-    return 1 if any(p["measured"]["unfinished"] for p in points) else 0
 
 
 if __name__ == "__main__":

@@ -108,7 +108,21 @@ def test_bench_serve_times_a_real_server(tmp_path: Path, capsys) -> None:  # typ
     assert "| 3 |" in capsys.readouterr().out
 
 
-def test_bench_serve_needs_a_url_or_server_args(capsys) -> None:  # type: ignore[no-untyped-def]
+def test_bench_serve_refuses_bad_setups_in_one_line(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    bench_serve = _bench_serve()
     with pytest.raises(SystemExit):
-        _bench_serve().main(["--concurrency", "1"])
+        bench_serve.main(["--concurrency", "1"])
     assert "give either --url or the server's arguments after --" in capsys.readouterr().err
+    # a server that cannot start (no such checkpoint): its reason, no traceback
+    out = tmp_path / "serve.json"
+    assert (
+        bench_serve.main(["--vocab", "100", "--json", str(out), "--", "--model", "/no/ckpt"]) == 2
+    )
+    err = capsys.readouterr().err
+    assert "bench_serve: error: the server exited" in err and "Traceback" not in err
+    # the model's vocabulary cannot be read: said before anything starts
+    assert bench_serve.main(["--", "--model", "/no/ckpt"]) == 2
+    assert "neither 'tiny' nor a local checkpoint" in capsys.readouterr().err
+    # nothing answers at --url
+    assert bench_serve.main(["--url", "http://127.0.0.1:9", "--vocab", "100"]) == 2
+    assert "bench_serve: error:" in capsys.readouterr().err
