@@ -148,8 +148,25 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ns = build_parser(argv).parse_args(argv)
-    return ns.func(ns)
+    try:
+        ns = build_parser(argv).parse_args(argv)  # --help prints here
+    except BrokenPipeError:
+        return _reader_gone()
+    if ns.func is _serve:
+        return ns.func(ns)  # a server's broken connections are its own business
+    try:
+        rc = ns.func(ns)
+        sys.stdout.flush()  # a pipe closed early fails here, inside the try
+        return rc
+    except BrokenPipeError:
+        return _reader_gone()
+
+
+def _reader_gone() -> int:
+    """The reader of stdout went away (`| head`): nothing more to say, and no traceback. Points
+    stdout at /dev/null so that the interpreter's own flush at exit does not fail again."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -81,3 +82,25 @@ def test_bad_fused_moe_table_is_refused_before_start(tmp_path) -> None:
         )
         assert r.returncode == 2, r.stderr[-2000:]
         assert message in r.stderr and str(path) in r.stderr
+
+
+@pytest.mark.parametrize(
+    "args", [["oncall", "runbook", "rank-dead"], ["chaos", "list", "chaos"], ["--help"]]
+)
+def test_a_reader_that_goes_away_ends_the_output_quietly(args: list[str]) -> None:
+    """`safeserve … | head -1`: the reader closes the pipe; the command stops writing, exits as
+    it would have (0) and prints no traceback."""
+    r, w = os.pipe()
+    os.close(r)  # the reader is gone before anything is written
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "safeserve.cli", *args],
+            stdout=w,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+            cwd=Path(__file__).resolve().parents[1],
+        )
+    finally:
+        os.close(w)
+    assert done.returncode == 0 and done.stderr == ""

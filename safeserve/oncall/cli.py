@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -52,18 +51,6 @@ def add_oncall_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(ns: argparse.Namespace) -> int:
-    try:
-        rc = _main(ns)
-        sys.stdout.flush()  # a pipe closed early fails here, inside the try
-        return rc
-    except BrokenPipeError:
-        # The reader went away (`| head`): nothing more to say, and no traceback. Point stdout
-        # at /dev/null so that the interpreter's own flush at exit does not fail again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
-
-
-def _main(ns: argparse.Namespace) -> int:
     from safeserve.oncall import views
     from safeserve.oncall.client import AdminClient, Refused, Unreachable
 
