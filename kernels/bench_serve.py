@@ -34,16 +34,11 @@ from pathlib import Path
 import httpx
 
 from safeserve.bench import make_prompts
+from safeserve.chaos.cli import check_server_args
 from safeserve.chaos.load import Load, RequestRecord
+from safeserve.chaos.report import percentile
 from safeserve.chaos.runner import LocalServer, ServerStartError, served_model
 from safeserve.chaos.scenario import LoadSpec
-
-
-def _pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
 
 
 def summarize(records: list[RequestRecord], output_len: int) -> dict:
@@ -59,10 +54,10 @@ def summarize(records: list[RequestRecord], output_len: int) -> dict:
         "requests": len(records),
         "unfinished": len(records) - len(done),
         "errors": sorted({r.error or r.broken or "" for r in records if id(r) not in finished}),
-        "ttft_ms_median": _pct(ttft, 0.5),
-        "itl_ms_median": _pct(itl, 0.5),
-        "itl_ms_p90": _pct(itl, 0.9),
-        "tpot_ms_median": statistics.median(tpot) if tpot else None,
+        "ttft_ms_median": percentile(ttft, 0.5),
+        "itl_ms_median": percentile(itl, 0.5),
+        "itl_ms_p90": percentile(itl, 0.9),
+        "tpot_ms_median": percentile(tpot, 0.5),
         "output_tok_s": tokens / span if span > 0 else None,
     }
 
@@ -70,13 +65,15 @@ def summarize(records: list[RequestRecord], output_len: int) -> dict:
 def bench_prompts(opts: argparse.Namespace, serve_args: list[str]) -> list[list[int]] | None:
     """`safeserve bench`'s prompts (random ids over the vocabulary, seed 0: client c gets the
     c-th), so the two measure the same inputs, and with dummy weights the same routing; the
-    vocabulary is `--vocab`, else that of the `--model` started here. None: the chaos load's
+    vocabulary is `--vocab`, else that of the model started here (the server arguments are
+    checked as `serve` checks them, before it starts). None: the chaos load's
     prompts (ids 10-249, which any tokenizer has; their routing is not the bench's)."""
     vocab = opts.vocab
-    if vocab is None and "--model" in serve_args:
+    if vocab is None and opts.url is None:
         from safeserve.model.checkpoint import load_model_config
 
-        vocab = load_model_config(serve_args[serve_args.index("--model") + 1]).vocab_size
+        model = check_server_args(serve_args, "the server arguments after --").model
+        vocab = load_model_config(model).vocab_size
     if vocab is None:
         return None
     return make_prompts(max(opts.concurrency), opts.input_len, vocab, opts.seed)

@@ -11,6 +11,10 @@ import json
 import shlex
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from safeserve.config import ServerArgs
 
 DEFAULT_DIR = Path("chaos")
 
@@ -50,8 +54,9 @@ def _admin_url(url: str) -> str:
     return urlunsplit((parts.scheme, netloc, "", "", ""))
 
 
-def check_server_args(args: list[str]) -> None:
-    """Refuses a scenario whose `[server].args` `safeserve serve` would refuse, before any run."""
+def check_server_args(args: list[str], what: str = "[server].args") -> ServerArgs:
+    """The settings `safeserve serve` would run with `args`; ValueError (naming them `what`)
+    where it would refuse them. A scenario's `[server].args` are checked before any run."""
     from safeserve.config import ConfigError, ServerArgs
 
     parser = argparse.ArgumentParser(prog="safeserve serve", add_help=False)
@@ -59,15 +64,13 @@ def check_server_args(args: list[str]) -> None:
     try:
         ns, unknown = parser.parse_known_args(args)
     except SystemExit:
-        raise ValueError(
-            f"[server].args are not valid `safeserve serve` arguments: {args}"
-        ) from None
+        raise ValueError(f"{what} are not valid `safeserve serve` arguments: {args}") from None
     if unknown:
-        raise ValueError(f"[server].args: unknown `safeserve serve` argument {unknown[0]!r}")
+        raise ValueError(f"{what}: unknown `safeserve serve` argument {unknown[0]!r}")
     try:
-        ServerArgs.from_cli_args(ns)
+        return ServerArgs.from_cli_args(ns)
     except ConfigError as e:
-        raise ValueError(f"[server].args: {e}") from None
+        raise ValueError(f"{what}: {e}") from None
 
 
 def main(ns: argparse.Namespace) -> int:

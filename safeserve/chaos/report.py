@@ -31,11 +31,16 @@ from safeserve.chaos.scenario import EXPECTED_VERDICT, SIGNAL_ACTIONS, Scenario
 RECOVERY_WINDOW_S = 3.0
 
 
-def p99(xs: list[float]) -> float | None:
+def percentile(xs: list[float], q: float) -> float | None:
+    """The nearest-rank q-quantile (0 < q <= 1); None for no values."""
     if not xs:
         return None
     s = sorted(xs)
-    return s[min(len(s) - 1, math.ceil(0.99 * len(s)) - 1)]
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+
+def p99(xs: list[float]) -> float | None:
+    return percentile(xs, 0.99)
 
 
 def outcome(r: RequestRecord, max_tokens: int) -> str:

@@ -139,7 +139,8 @@ def store_kv(
 
 
 def decode_splits(batch: int, num_kv_heads: int, max_context: int) -> int:
-    """Splits of each context: enough programs to fill the GPU, at least `_BLOCK_N` tokens each."""
+    """The decode grid's splits per (sequence, kv head): enough programs to fill the GPU, no more
+    than the table holds tiles of `_BLOCK_N`; the kernel cuts each context into at most as many."""
     most = max(1, triton.cdiv(max_context, _BLOCK_N) if HAS_TRITON else 1)
     want = max(1, -(-_TARGET_PROGRAMS // max(1, batch * num_kv_heads)))
     return min(most, want)
