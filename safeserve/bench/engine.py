@@ -29,6 +29,7 @@ def _run_point(
     report: Callable[[str], None] | None = None,
 ) -> dict:
     """Prefill then decode `len(prompts)` requests in lock-step; every time and byte count."""
+    from safeserve.engine.kv_cache import new_table_id
     from safeserve.engine.plan import SeqPlan, StepPlan
     from safeserve.messages import SamplingParams
 
@@ -42,6 +43,7 @@ def _run_point(
             f"{runner.num_blocks} (raise --num-kv-blocks or --mem-fraction-static)"
         )
     tables = [list(range(i * per_req, (i + 1) * per_req)) for i in range(batch)]
+    table_ids = [new_table_id() for _ in range(batch)]  # as the server's: fixed for the run
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     step = step_base
     outputs: list[list[int]] = [[] for _ in range(batch)]
@@ -79,7 +81,7 @@ def _run_point(
     for j in range(1, output_len):
         pos = len(prompts[0]) + j - 1
         seqs = [
-            SeqPlan([outputs[i][-1]], pos, tables[i], params, output_index=j) for i in range(batch)
+            SeqPlan([outputs[i][-1]], pos, tables[i], params, j, table_ids[i]) for i in range(batch)
         ]
         bucket = graphs.bucket_for(batch) if graphs is not None and graphs.can_run(seqs) else None
         t0 = time.perf_counter()

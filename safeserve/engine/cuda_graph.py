@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 
+import numpy as np
 import torch
 
 from safeserve.engine.attention import AttentionMetadata
@@ -76,6 +77,54 @@ def smallest_bucket(buckets: list[int], n: int) -> int | None:
     return next((b for b in buckets if b >= n), None)
 
 
+class TableMirror:
+    """The decode graphs' block tables in pinned host memory, and what the device copy lacks.
+
+    Row i of a step holds sequence i's table. Rewriting and uploading whole rows would cost
+    host time and bytes in proportion to the contexts (and to `--max-model-len` for the
+    upload); but between two steps a row usually holds the same sequence, whose table only
+    gained an entry, if anything. So each row remembers the table id it holds (`SeqPlan.
+    table_id`: under one id a table only grows) and how many of its entries the device has;
+    `fill` writes only the entries past those and returns the flat ranges to upload. A row
+    that changes hands, or a table without an id (-1), is written whole up to its context.
+    """
+
+    # Ranges closer than this many entries (32 KiB) go up as one copy, and more ranges than
+    # MAX_COPIES as one from the first to the last: each copy is a host call and a transfer's
+    # latency, worth more than sending a few KiB twice (the entries between are already right
+    # on the device; they are re-sent unchanged).
+    MERGE_GAP = 8192
+    MAX_COPIES = 8
+
+    def __init__(self, tables: np.ndarray, block_size: int) -> None:
+        self.tables = tables  # [max_bs, width], a view of the pinned buffer
+        self.block_size = block_size
+        self.width = tables.shape[1]
+        self._held: list[tuple[int, int]] = [(-1, 0)] * tables.shape[0]  # (table id, entries)
+
+    def fill(self, seqs: list[SeqPlan]) -> list[tuple[int, int]]:
+        """Write the rows of `seqs`' tables that the device lacks; [lo, hi) flat ranges of the
+        table (row-major) to upload, ascending and disjoint."""
+        ranges: list[tuple[int, int]] = []
+        width, bsz = self.width, self.block_size
+        for i, s in enumerate(seqs):
+            w = (s.end + bsz - 1) // bsz
+            tid, held = self._held[i]
+            lo = held if s.table_id >= 0 and tid == s.table_id else 0
+            if lo >= w:
+                continue
+            self.tables[i, lo:w] = s.block_table[lo:w]
+            self._held[i] = (s.table_id, w)
+            a, b = i * width + lo, i * width + w
+            if ranges and a - ranges[-1][1] <= self.MERGE_GAP:
+                ranges[-1] = (ranges[-1][0], b)
+            else:
+                ranges.append((a, b))
+        if len(ranges) > self.MAX_COPIES:
+            return [(ranges[0][0], ranges[-1][1])]
+        return ranges
+
+
 class DecodeCudaGraphs:
     """Graphs of the whole decode step: forward, logits and the greedy argmax of every row."""
 
@@ -116,6 +165,9 @@ class DecodeCudaGraphs:
         self.context_lens = self.static[3 * max_bs : 4 * max_bs]
         self.block_tables = self.static[_SMALL_ROWS * max_bs :].view(max_bs, self.width)
         self.slot_mapping.fill_(-1)
+        self.tables = TableMirror(
+            self.host_np[_SMALL_ROWS * max_bs :].reshape(max_bs, self.width), block_size
+        )
         self.uploaded = torch.cuda.Event()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {}
@@ -201,9 +253,8 @@ class DecodeCudaGraphs:
         n = len(seqs)
         bs = bs if bs is not None else self.bucket_for(n)
         assert bs is not None and n <= bs
-        bsz, max_bs, width = self.block_size, self.max_bs, self.width
+        bsz, max_bs = self.block_size, self.max_bs
         host = self.host_np
-        tables = host[_SMALL_ROWS * max_bs :].reshape(max_bs, width)
         # The pinned buffer is refilled only once its last upload has left (a step normally
         # ends in a host sync for its sampled tokens, so this rarely waits).
         self.uploaded.synchronize()
@@ -213,16 +264,15 @@ class DecodeCudaGraphs:
             host[max_bs + i] = p
             host[2 * max_bs + i] = s.block_table[p // bsz] * bsz + p % bsz
             host[3 * max_bs + i] = s.end
-            w = (s.end + bsz - 1) // bsz
-            tables[i, :w] = s.block_table[:w]
         # Padding rows: context 0 and slot -1 (no KV written, nothing attended).
         host[2 * max_bs + n : 3 * max_bs] = -1
         host[3 * max_bs + n : 4 * max_bs] = 0
         small = _SMALL_ROWS * max_bs
         self.static[:small].copy_(self.host[:small], non_blocking=True)
-        # Columns past a row's context are never read, so whole rows of the first n go up.
-        rows = slice(small, small + n * width)
-        self.static[rows].copy_(self.host[rows], non_blocking=True)
+        for lo, hi in self.tables.fill(seqs):  # only the table entries the device lacks
+            self.static[small + lo : small + hi].copy_(
+                self.host[small + lo : small + hi], non_blocking=True
+            )
         self.uploaded.record()
         self.graphs[bs].replay()
         self.replays += 1

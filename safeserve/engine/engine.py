@@ -202,9 +202,10 @@ class Engine:
                 SeqPlan(
                     req.token_ids[start : start + s.num_tokens],
                     start,
-                    list(req.block_ids),
+                    req.block_ids,  # not copied: the plan is run (or pickled) in this step
                     req.params if s.samples else None,
                     req.params.output_offset + req.num_output_tokens,
+                    req.table_id,
                 )
             )
         return StepPlan(self.step_id, per_rank, faults=self.faults)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import deque
 from typing import TYPE_CHECKING
@@ -14,6 +15,15 @@ if TYPE_CHECKING:
     from safeserve.config import ServerArgs
 
 logger = logging.getLogger(__name__)
+
+# Table ids, unique in the process (every allocator draws from it): a request's block list gets
+# a new one whenever it starts from empty, and under one id the list only grows by appending.
+_table_ids = itertools.count()
+
+
+def new_table_id() -> int:
+    """A table id no other block list of this process has (see `Request.table_id`)."""
+    return next(_table_ids)
 
 
 class BlockAllocator:
@@ -44,11 +54,14 @@ class BlockAllocator:
         need = self.blocks_needed(req, num_tokens)
         if need > len(self._free):
             raise RuntimeError("out of KV blocks; call can_allocate first")
+        if need and not req.block_ids:
+            req.table_id = new_table_id()
         req.block_ids.extend(self._free.popleft() for _ in range(need))
 
     def free(self, req: Request) -> None:
         self._free.extend(req.block_ids)
         req.block_ids = []
+        req.table_id = -1
 
 
 class KVCache:

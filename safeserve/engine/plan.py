@@ -13,9 +13,14 @@ class SeqPlan:
 
     token_ids: list[int]  # tokens computed this step
     start: int  # position of token_ids[0]
-    block_table: list[int]  # blocks covering positions 0 .. start + len(token_ids) - 1
+    # Blocks covering positions 0 .. start + len(token_ids) - 1. On the leader this is the
+    # request's own list, not a copy: read it during the step only.
+    block_table: list[int]
     params: SamplingParams | None = None  # set when this step samples the next token
     output_index: int = 0  # index of the token being sampled among the request's outputs
+    # The request's table id (Request.table_id): tables of one id >= 0 only grow by appending,
+    # so a decode graph that held it last step uploads only the new entries; -1: always whole.
+    table_id: int = -1
 
     @property
     def end(self) -> int:

@@ -22,6 +22,9 @@ class Request:
     token_ids: list[int] = field(default_factory=list)  # prompt + generated
     num_computed: int = 0  # tokens whose K/V are in the cache
     block_ids: list[int] = field(default_factory=list)
+    # Set by the allocator when block_ids starts from empty; under one id block_ids only grows
+    # by appending (the decode graphs upload only a table's new entries). -1: no blocks.
+    table_id: int = -1
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0

@@ -47,6 +47,31 @@ def _reference(hf, prompt: list[int], n: int, eos: set[int]) -> list[int]:
     ids=["chunked", "preempting", "max-running-2"],
 )
 def test_greedy_equals_transformers(checkpoint: Path, hf, blocks, chunk, max_running) -> None:
+    _check_greedy(checkpoint, hf, blocks, chunk, max_running)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(
+    "blocks,chunk,max_running",
+    [(None, 6, 8), (12, 5, 8), (40, 512, 2)],
+    ids=["chunked", "preempting", "max-running-2"],
+)
+def test_greedy_through_cuda_graphs_equals_transformers(
+    checkpoint: Path, hf, blocks, chunk, max_running
+) -> None:
+    """The same on CUDA in float32, decode steps replayed as graphs: their block tables go up
+    only as far as the device lacks them (engine/cuda_graph.py, TableMirror), while requests
+    finish, rows change hands, preempted requests come back with new blocks, and tables cross
+    block boundaries every 4 tokens."""
+    engine = _check_greedy(
+        checkpoint, hf, blocks, chunk, max_running, device="cuda", dtype="float32"
+    )
+    graphs = engine.runner.cuda_graphs
+    assert graphs is not None and graphs.replays >= 5  # decode-only steps replayed
+
+
+def _check_greedy(checkpoint: Path, hf, blocks, chunk, max_running, **kw) -> Engine:
     args = ServerArgs(
         model=str(checkpoint),
         chunked_prefill_size=chunk,
@@ -55,6 +80,7 @@ def test_greedy_equals_transformers(checkpoint: Path, hf, blocks, chunk, max_run
         max_model_len=48,
         max_running_requests=max_running,
         max_num_batched_tokens=16,
+        **kw,
     )
     engine = Engine(args)
     gen = torch.Generator().manual_seed(7)
@@ -67,6 +93,7 @@ def test_greedy_equals_transformers(checkpoint: Path, hf, blocks, chunk, max_run
     if blocks == 12:
         assert engine.scheduler.num_preemptions > 0  # the case really preempted
     assert engine.scheduler.num_blocks_used == 0  # every block back in the free list
+    return engine
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(checkpoint: Path) -> None:

@@ -7,6 +7,7 @@ step size maps to the smallest bucket that holds it."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -130,3 +131,100 @@ def test_every_rank_picks_the_same_decode_bucket_from_the_plan() -> None:
     assert graphs.group_bucket([seqs(1, end=33), seqs(1)]) is None  # past the table width
     assert graphs.group_bucket([seqs(1, end=32), seqs(1)]) == 1
     assert graphs.can_run(seqs(2)) and not graphs.can_run([])
+
+
+def _mirror_step(mirror, device: np.ndarray, seqs: list) -> int:
+    """One step's fill and upload; checks the device rows and returns the entries sent."""
+    host = mirror.tables.reshape(-1)
+    sent, last = 0, -1
+    for lo, hi in mirror.fill(seqs):
+        assert last <= lo < hi  # ascending, disjoint
+        device[lo:hi] = host[lo:hi]
+        sent, last = sent + hi - lo, hi
+    rows = device.reshape(mirror.tables.shape)
+    for i, s in enumerate(seqs):
+        w = -(-s.end // mirror.block_size)
+        assert rows[i, :w].tolist() == s.block_table[:w], f"row {i}"
+    return sent
+
+
+def test_decode_tables_upload_what_the_device_lacks_and_nothing_more() -> None:
+    """The decode graphs' block tables (TableMirror): after every step the device copy holds
+    each row's table up to its context, while sequences grow, finish, get preempted (their
+    table restarts under a new id, with other blocks) and change rows; a steady step sends
+    only new entries, whatever the table width."""
+    import random
+
+    from safeserve.engine.cuda_graph import TableMirror
+    from safeserve.engine.kv_cache import new_table_id
+    from safeserve.engine.plan import SeqPlan
+
+    bsz, max_bs, width = 4, 8, 64
+    mirror = TableMirror(np.zeros((max_bs, width), dtype=np.int32), bsz)
+    device = np.full(max_bs * width, -7, dtype=np.int32)
+    rng = random.Random(5)
+    free = list(range(10_000))
+    rng.shuffle(free)
+
+    class Seq:
+        def __init__(self, ctx: int = 0) -> None:
+            self.tid, self.blocks, self.ctx = new_table_id(), [], ctx or rng.randint(1, 40)
+            self.grow()
+
+        def grow(self) -> None:
+            while len(self.blocks) * bsz < self.ctx:
+                self.blocks.append(free.pop())
+
+        def plan(self) -> SeqPlan:
+            return SeqPlan([1], self.ctx - 1, self.blocks, None, 0, self.tid)
+
+    running = [Seq() for _ in range(5)]
+    for _ in range(400):
+        event = rng.random()
+        if event < 0.05 and running:  # finishes
+            running.pop(rng.randrange(len(running)))
+        elif event < 0.08 and running:  # preempted and back: same request, new table and id
+            s = running[rng.randrange(len(running))]
+            s.tid, s.blocks = new_table_id(), []
+            s.grow()
+        elif event < 0.12:
+            rng.shuffle(running)
+        if len(running) < max_bs and rng.random() < 0.1:
+            running.append(Seq())
+        for s in running:
+            if s.ctx < width * bsz:
+                s.ctx += 1
+                s.grow()
+        _mirror_step(mirror, device, [s.plan() for s in running])
+
+    # Steady: the same 8 rows, contexts growing by one token a step. A step sends exactly the
+    # entries that appeared (none until a table crosses a block), not rows of the table width.
+    running = [Seq(9 + 2 * i) for i in range(max_bs)]
+    _mirror_step(mirror, device, [s.plan() for s in running])
+    sends = []
+    for _ in range(12):
+        before = [len(s.blocks) for s in running]
+        for s in running:
+            s.ctx += 1
+            s.grow()
+        sent = _mirror_step(mirror, device, [s.plan() for s in running])
+        grew = [i for i, s in enumerate(running) if len(s.blocks) > before[i]]
+        # one entry per table that grew, plus the entries between them (merged into one copy)
+        span = (
+            grew[-1] * width + len(running[grew[-1]].blocks) - (grew[0] * width + before[grew[0]])
+            if grew
+            else 0
+        )
+        assert (len(grew) <= sent <= span) if grew else sent == 0, (grew, sent, span)
+        sends.append(sent)
+    assert 0 in sends and max(sends) < max_bs * width
+    one = Seq(8)  # alone in row 0: a new block is one entry sent
+    assert _mirror_step(mirror, device, [one.plan()]) == 2
+    for ctx in range(9, 17):
+        one.ctx = ctx
+        one.grow()
+        assert _mirror_step(mirror, device, [one.plan()]) == (1 if ctx in (9, 13) else 0)
+    # A table without an id (-1) is always written whole.
+    plain = SeqPlan([1], 20, list(range(100, 106)), None, 0)
+    _mirror_step(mirror, device, [plain])
+    assert _mirror_step(mirror, device, [plain]) == 6
