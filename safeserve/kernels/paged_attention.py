@@ -187,7 +187,11 @@ def paged_decode(
         stats = torch.empty(batch, num_heads, splits, 2, dtype=torch.float32, device=q.device)
     else:  # not read; float32 all the same, so one split or many is one compiled variant
         acc = stats = torch.empty(0, dtype=torch.float32, device=q.device)
-    sync = zeroed_counters(q.device, batch * num_kv_heads, "paged_decode")
+    # one counter per (sequence, kv head), and one per group of merged splits (the kernel's
+    # two-level merge)
+    s_chunk = max(2, _MERGE_TILE // (m_pad * d_pad))  # splits per merge pass
+    groups = triton.cdiv(splits, s_chunk)
+    sync = zeroed_counters(q.device, batch * num_kv_heads * (1 + groups), "paged_decode")
     _decode_kernel[(batch, num_kv_heads, splits)](
         q,
         k_cache,
@@ -215,7 +219,7 @@ def paged_decode(
         PAGE=block_size,
         DOT_PRECISION=precision,
         M_PAD=m_pad,
-        S_CHUNK=max(2, _MERGE_TILE // (m_pad * d_pad)),
+        S_CHUNK=s_chunk,
         WHILE_LOOP=not q.is_cuda,
         USE_PDL=pdl,
         num_warps=4,

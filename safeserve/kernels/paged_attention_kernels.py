@@ -1,8 +1,8 @@
 """The Triton kernels of paged attention (`safeserve.kernels.paged_attention` launches them):
 the KV-cache store and the decode kernel (one program per sequence, kv head and split of the
 context; `_decode_tile` is one tile of its online softmax, shared with the prefill kernel of
-`safeserve.kernels.paged_prefill`; `_merge_splits` is the merge that the last split of a kv head
-to finish runs). Defined only where Triton is installed.
+`safeserve.kernels.paged_prefill`; `_merge_splits` is the merge of split partials that the last
+split of a kv head (or of a group of its splits) to finish runs). Defined only where Triton is installed.
 """
 
 from __future__ import annotations
@@ -99,29 +99,28 @@ if HAS_TRITON:
     def _merge_splits(
         acc_ptr,
         stats_ptr,
-        o_ptrs,
         base,
         g_ok,
-        used,
+        count,
+        STRIDE: tl.constexpr,
         D_PAD: tl.constexpr,
-        HEAD_DIM: tl.constexpr,
         S_CHUNK: tl.constexpr,
     ):
-        """Merges splits 0..used-1 of a kv head's query heads (rows `base + s` of the partials)
-        into `o_ptrs`, S_CHUNK splits of every head per pass, in one pass over the splits: the
+        """Merges `count` partials of a kv head's query heads, rows `base + j * STRIDE` (j <
+        count) of acc / stats, S_CHUNK of every head per pass, in one pass over them: the
         running sum is rescaled whenever a chunk raises the running max (as flash attention
-        does over tiles), then divided by the total l. The splits are taken in a fixed order,
-        so the result does not depend on which program merges. Reads bypass L1 (.cg): other
-        programs wrote them."""
+        does over tiles). Returns (max, sum, unnormalised output) as a partial of its own. The
+        partials are taken in a fixed order, so the result does not depend on which program
+        merges. Reads bypass L1 (.cg): other programs wrote them."""
         d = tl.arange(0, D_PAD)
         m_run = tl.where(g_ok, float("-inf"), 0.0)  # padding heads: 0, so never -inf - -inf
         l_run = tl.zeros_like(m_run)
         o = tl.zeros([m_run.shape[0], D_PAD], dtype=tl.float32)
         s0 = 0
-        while s0 < used:  # while, not range(): the interpreter cannot take a loaded bound
+        while s0 < count:  # while, not range(): the interpreter cannot take a loaded bound
             s = s0 + tl.arange(0, S_CHUNK)
-            ok = g_ok[:, None] & (s < used)[None, :]
-            rows = base[:, None] + s[None, :]
+            ok = g_ok[:, None] & (s < count)[None, :]
+            rows = base[:, None] + s[None, :] * STRIDE
             m_s = tl.load(stats_ptr + rows * 2, mask=ok, other=float("-inf"), cache_modifier=".cg")
             l_s = tl.load(stats_ptr + rows * 2 + 1, mask=ok, other=0.0, cache_modifier=".cg")
             a = tl.load(
@@ -137,6 +136,12 @@ if HAS_TRITON:
             o = o * alpha[:, None] + tl.sum(a * w[:, :, None], axis=1)
             m_run = m_new
             s0 += S_CHUNK
+        return m_run, l_run, o
+
+    @triton.jit
+    def _store_merged(o_ptrs, g_ok, o, l_run, D_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
+        """The merged output, divided by its total softmax sum."""
+        d = tl.arange(0, D_PAD)
         o = o / tl.maximum(l_run, 1e-30)[:, None]
         o_mask = g_ok[:, None] & (d < HEAD_DIM)[None, :]
         tl.store(o_ptrs, o.to(o_ptrs.dtype.element_ty), mask=o_mask)
@@ -183,8 +188,13 @@ if HAS_TRITON:
         `used` > 1, each of those programs stores its float32 partial (acc [B, Hq, num_splits,
         D_PAD], stats [B, Hq, num_splits, 2] = running max, sum) and bumps the (b, kvh) counter
         of `sync_ptr`; the last of the `used` to arrive merges them (`_merge_splits`) and resets
-        the counter to 0. Programs whose split starts past the context return at once: they
-        never touch the counter."""
+        the counter to 0. Past 2 * S_CHUNK splits (more than two merge passes) the merge has two
+        levels: groups of S_CHUNK consecutive splits count on counters of their own (after the
+        B x kv-heads top ones, cdiv(num_splits, S_CHUNK) per (b, kvh)), the last of a group
+        merges it into its first row, and the last group merges the groups. A merge's serial
+        chain is then at most two passes after the walk, not used / S_CHUNK (16 for one
+        sequence of 8,192 tokens). Programs whose split starts past the context return at
+        once: they never touch the counters."""
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         s = tl.program_id(2)
@@ -287,21 +297,51 @@ if HAS_TRITON:
             tl.store(stats_ptr + row * 2 + 1, l_i, mask=g_ok)
             tl.debug_barrier()  # every thread's partial is issued before the release
             counter = sync_ptr + b * tl.num_programs(1) + kvh
-            if tl.atomic_add(counter, 1, sem="acq_rel") == used - 1:
-                tl.debug_barrier()
-                # the merge's own head padding (no tl.dot there): GROUP rounded up to a power of 2
-                mg = tl.arange(0, M_PAD)
-                mg_ok = mg < GROUP
-                m_heads = kvh * GROUP + mg
-                _merge_splits(
-                    acc_ptr,
-                    stats_ptr,
-                    out_ptr + b * stride_ob + m_heads[:, None] * stride_oh + d[None, :],
-                    head0 + mg * num_splits,
-                    mg_ok,
-                    used,
-                    D_PAD,
-                    HEAD_DIM,
-                    S_CHUNK,
+            # the merge's own head padding (no tl.dot there): GROUP rounded up to a power of 2
+            mg = tl.arange(0, M_PAD)
+            mg_ok = mg < GROUP
+            m_heads = kvh * GROUP + mg
+            m_out = out_ptr + b * stride_ob + m_heads[:, None] * stride_oh + d[None, :]
+            m_base = head0 + mg * num_splits
+            if used <= 2 * S_CHUNK:  # one or two passes: the last to arrive merges them all
+                if tl.atomic_add(counter, 1, sem="acq_rel") == used - 1:
+                    tl.debug_barrier()
+                    m_run, l_run, o = _merge_splits(
+                        acc_ptr, stats_ptr, m_base, mg_ok, used, 1, D_PAD, S_CHUNK
+                    )
+                    _store_merged(m_out, mg_ok, o, l_run, D_PAD, HEAD_DIM)
+                    tl.atomic_xchg(counter, 0)
+            else:
+                # Two levels, so no program merges more than two passes in a row: the last of
+                # each group of S_CHUNK consecutive splits merges its group (one pass) into the
+                # group's first row, then the last group to finish merges the groups.
+                grp = s // S_CHUNK
+                members = tl.minimum(S_CHUNK, used - grp * S_CHUNK)
+                groups_max = tl.cdiv(num_splits, S_CHUNK)
+                g_counter = (
+                    sync_ptr
+                    + tl.num_programs(0) * tl.num_programs(1)
+                    + (b * tl.num_programs(1) + kvh) * groups_max
+                    + grp
                 )
-                tl.atomic_xchg(counter, 0)
+                if tl.atomic_add(g_counter, 1, sem="acq_rel") == members - 1:
+                    tl.debug_barrier()
+                    g_base = m_base + grp * S_CHUNK
+                    m_run, l_run, o = _merge_splits(
+                        acc_ptr, stats_ptr, g_base, mg_ok, members, 1, D_PAD, S_CHUNK
+                    )
+                    # the group's partial replaces its first split's (read above, by this
+                    # program only)
+                    tl.store(acc_ptr + g_base[:, None] * D_PAD + d[None, :], o, mask=mg_ok[:, None])
+                    tl.store(stats_ptr + g_base * 2, m_run, mask=mg_ok)
+                    tl.store(stats_ptr + g_base * 2 + 1, l_run, mask=mg_ok)
+                    tl.atomic_xchg(g_counter, 0)
+                    tl.debug_barrier()
+                    n_groups = tl.cdiv(used, S_CHUNK)
+                    if tl.atomic_add(counter, 1, sem="acq_rel") == n_groups - 1:
+                        tl.debug_barrier()
+                        m_run, l_run, o = _merge_splits(
+                            acc_ptr, stats_ptr, m_base, mg_ok, n_groups, S_CHUNK, D_PAD, S_CHUNK
+                        )
+                        _store_merged(m_out, mg_ok, o, l_run, D_PAD, HEAD_DIM)
+                        tl.atomic_xchg(counter, 0)

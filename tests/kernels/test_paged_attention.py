@@ -162,6 +162,7 @@ WIDE_CASES = [
     ([3, 0, 300, 200], 8, 8, 256),  # group 1, 16 splits: 1, 0, 5 and 4 used
     ([300], 32, 4, 1024),  # one sequence, 128 splits: 5 used
     ([576], 32, 4, 2560),  # a graph bucket's table (40,960 tokens), 128 splits: 9 used
+    ([2100, 90], 32, 4, 2560),  # 64 splits: 33 used (merged in groups of 16, 16 and 1), 2
 ]
 
 
@@ -183,13 +184,19 @@ def test_decode_kernel_wide_table_many_splits(case: int, dtype: torch.dtype) -> 
 
 
 @needs_kernel
-def test_decode_kernel_merges_more_splits_than_one_pass() -> None:
-    """66 used splits of a group of 8 heads of 128: the merge reads 8 splits a pass, so it
-    takes 9 passes, each raising or keeping the running max."""
-    ctxs = [4200]
-    q, kc, vc, bt, ctx = _problem(ctxs, 8, 1, 128, 16, torch.float32, DEVICE, seed=9)
-    assert pa.decode_splits(1, 1, bt.shape[1] * 16) == 66
-    assert 66 > 8 * (pa._MERGE_TILE // (8 * 128))  # more splits than one pass holds, 8 times
+@pytest.mark.parametrize(
+    "context,used",
+    [(1000, 16), (1078, 17), (4200, 66)],
+    ids=["two-passes", "two-levels-last-group-of-1", "two-levels-9-groups"],
+)
+def test_decode_kernel_merges_more_splits_than_one_pass(context: int, used: int) -> None:
+    """A group of 8 heads of 128, whose merge reads 8 splits a pass, over 16, 17 and 66 used
+    splits (64 tokens each). Up to two passes the last split merges them all; past that the
+    merge has two levels (groups of 8 splits, the last one ragged, then the groups), each
+    pass raising or keeping the running max. Bit-identical on a second call, counters zero."""
+    q, kc, vc, bt, ctx = _problem([context], 8, 1, 128, 16, torch.float32, DEVICE, seed=9)
+    assert pa.decode_splits(1, 1, bt.shape[1] * 16) == used
+    assert pa._MERGE_TILE // (8 * 128) == 8  # splits a merge pass holds
     ref = pa.paged_decode_torch(q.double(), kc.double(), vc.double(), bt, ctx, 16, 0.25)
     out = _decode_twice(q, kc, vc, bt, ctx, 16, 0.25)
     assert _rel_err(out, ref) <= 1e-5
