@@ -16,7 +16,7 @@ import torch
 from safeserve.config import ServerArgs
 from safeserve.engine.kv_cache import BlockAllocator
 from safeserve.engine.model_runner import ModelRunner
-from safeserve.engine.plan import Faults, SeqPlan, StepPlan
+from safeserve.engine.plan import Faults, SeqPlan, StepPlan, TableReceiver, TableSender
 from safeserve.engine.request import Request
 from safeserve.engine.scheduler import Scheduler, SchedulerOutput
 from safeserve.guards.prefill_sizing import PrefillSizer, PrefillSizing
@@ -53,6 +53,7 @@ class Engine:
             max_len = capacity
         self.max_model_len = max_len
         dp_size = self.runner.layout.dp_size
+        self.tables = TableSender()  # block tables to the other ranks, by difference
         self.scheduler = Scheduler(
             [BlockAllocator(self.num_blocks, args.block_size) for _ in range(dp_size)],
             args.max_running_requests,
@@ -213,7 +214,9 @@ class Engine:
     def run(self, plan: StepPlan) -> list[list[int]]:
         """Every rank runs the plan; returns the sampled tokens of each attention rank."""
         comm = self.runner.comm
-        comm.broadcast_object(plan)
+        retired = [t for a in self.scheduler.allocators for t in a.drain_retired()]
+        if comm.active:  # the other ranks get the tables' new entries only
+            comm.broadcast_object(self.tables.wire(plan, retired))
         mine = self.runner.execute(plan)
         gathered = comm.gather_objects(mine)
         dispatcher = self.runner.dispatcher
@@ -288,10 +291,13 @@ def warm_up_sizes(largest: int, compiles: bool) -> list[int]:
 
 def follower_loop(runner: ModelRunner, on_plan: Callable[[int, bool], None]) -> None:
     """Ranks 1..n-1: run every plan the leader broadcasts until it says shut down.
-    `on_plan(step, idle)` is called for every plan received."""
+    `on_plan(step, idle)` is called for every plan received. Block tables arrive by difference
+    (`TableSender`) and are rebuilt here."""
+    tables = TableReceiver()
     while True:
         plan = runner.comm.broadcast_object(None)
         assert isinstance(plan, StepPlan)
+        tables.expand(plan)
         if plan.shutdown:
             runner.comm.shutdown()
             return

@@ -33,6 +33,7 @@ class BlockAllocator:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._free: deque[int] = deque(range(num_blocks))
+        self._retired: list[int] = []  # table ids freed since `drain_retired`
 
     @property
     def num_free(self) -> int:
@@ -60,8 +61,15 @@ class BlockAllocator:
 
     def free(self, req: Request) -> None:
         self._free.extend(req.block_ids)
+        if req.table_id >= 0:
+            self._retired.append(req.table_id)
         req.block_ids = []
         req.table_id = -1
+
+    def drain_retired(self) -> list[int]:
+        """The table ids freed since the last call (the leader tells its other ranks)."""
+        out, self._retired = self._retired, []
+        return out
 
 
 class KVCache:

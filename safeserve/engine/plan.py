@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from safeserve.messages import SamplingParams
@@ -21,6 +22,9 @@ class SeqPlan:
     # The request's table id (Request.table_id): tables of one id >= 0 only grow by appending,
     # so a decode graph that held it last step uploads only the new entries; -1: always whole.
     table_id: int = -1
+    # Only in a plan on its way to the other ranks (`TableSender`): block_table holds the
+    # entries from this index on; the ones before were sent in earlier steps.
+    table_start: int = 0
 
     @property
     def end(self) -> int:
@@ -44,3 +48,79 @@ class StepPlan:
     idle: bool = False  # nothing to compute: ranks only report they are alive
     shutdown: bool = False
     faults: Faults | None = None
+    # Table ids freed since the last plan (`TableSender`): the other ranks forget them.
+    retired_tables: list[int] = field(default_factory=list)
+
+
+class TableSender:
+    """The leader's half of sending block tables to the other ranks of its group by difference.
+
+    A plan with whole tables grows with the contexts: 64 sequences of 8,192 tokens carry 32,768
+    table entries a step, pickled on the leader and unpickled on every other rank before it can
+    start (about 0.3 + 0.5 ms on a CPU core; 1.5 + 3.2 ms at 32,768 tokens; with attention
+    data-parallel the plan holds every rank's sequences). Under one table id a table only grows,
+    so each step sends only the entries the other ranks do not hold yet (none, or one when a
+    sequence crosses a block), and the ids freed since the last plan so they can forget them.
+    """
+
+    def __init__(self) -> None:
+        self._sent: dict[int, int] = {}  # table id -> entries the other ranks hold
+
+    def wire(self, plan: StepPlan, retired: list[int]) -> StepPlan:
+        """A copy of `plan` for the other ranks; `plan` itself is left whole."""
+        for tid in retired:
+            self._sent.pop(tid, None)
+        per_rank = []
+        for seqs in plan.per_rank:
+            out = []
+            for s in seqs:
+                if s.table_id < 0:
+                    out.append(s)
+                    continue
+                have = self._sent.get(s.table_id, 0)
+                out.append(
+                    SeqPlan(
+                        s.token_ids, s.start, s.block_table[have:], s.params, s.output_index,
+                        s.table_id, have,
+                    )
+                )  # fmt: skip
+                self._sent[s.table_id] = max(have, len(s.block_table))
+            per_rank.append(out)
+        return dataclasses.replace(plan, per_rank=per_rank, retired_tables=list(retired))
+
+
+class TableOutOfStep(RuntimeError):
+    """A rank's tables disagree with what the leader sent (a plan was lost or reordered)."""
+
+
+class TableReceiver:
+    """The other ranks' half of `TableSender`: rebuilds every whole table of a received plan
+    (in place), from the tables held since earlier plans."""
+
+    def __init__(self) -> None:
+        self._tables: dict[int, list[int]] = {}
+
+    @property
+    def num_tables(self) -> int:
+        return len(self._tables)
+
+    def expand(self, plan: StepPlan) -> StepPlan:
+        for tid in plan.retired_tables:
+            self._tables.pop(tid, None)
+        plan.retired_tables = []
+        for seqs in plan.per_rank:
+            for s in seqs:
+                if s.table_id < 0:
+                    continue
+                if s.table_start == 0:
+                    table = self._tables[s.table_id] = []
+                else:
+                    table = self._tables.get(s.table_id, [])
+                if len(table) != s.table_start:
+                    raise TableOutOfStep(
+                        f"step {plan.step}: table {s.table_id} holds {len(table)} entries here, "
+                        f"the leader's plan continues it at {s.table_start}"
+                    )
+                table.extend(s.block_table)
+                s.block_table, s.table_start = table, 0
+        return plan
