@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -80,27 +81,36 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device | str,
         use_kernels: bool = True,
+        table_ids: list[int] | None = None,
+        tables: Any = None,
     ) -> AttentionMetadata:
-        """`use_kernels=False` forces the torch path (the kernels' oracle in tests)."""
+        """`use_kernels=False` forces the torch path (the kernels' oracle in tests). With
+        `table_ids` (SeqPlan.table_id) and `tables` (engine/cuda_graph.py, TableUpload) the
+        decode rows' block tables go up by difference."""
         kernels = use_kernels and _kernels_apply(device)
+        ids = table_ids if table_ids is not None else [-1] * len(query_lens)
         if kernels and all(n == 1 for n in query_lens):
-            return AttentionMetadata.build_decode(context_lens, block_tables, block_size, device)
+            return AttentionMetadata.build_decode(
+                context_lens, block_tables, block_size, device, ids, tables
+            )
         seqs: list[SeqAttention] = []
         # host slots (decodes: ints; kernel prefill: CPU tensors), or device slots (torch path)
         slot_chunks: list[torch.Tensor | list[int]] = []
         dec_rows: list[int] = []
         dec_ctx: list[int] = []
         dec_tables: list[list[int]] = []
+        dec_ids: list[int] = []
         pre_tables: list[list[int]] = []
         pre_ctx: list[int] = []
         pre_starts: list[int] = []
         pre_lens: list[int] = []
         start = 0
-        for q_len, ctx, table in zip(query_lens, context_lens, block_tables, strict=True):
+        for q_len, ctx, table, tid in zip(query_lens, context_lens, block_tables, ids, strict=True):
             if kernels and q_len == 1:
                 dec_rows.append(start)
                 dec_ctx.append(ctx)
                 dec_tables.append(table)
+                dec_ids.append(tid)
                 slot = table[(ctx - 1) // block_size] * block_size + (ctx - 1) % block_size
                 if slot_chunks and isinstance(slot_chunks[-1], list):
                     slot_chunks[-1].append(slot)
@@ -132,7 +142,9 @@ class AttentionMetadata:
         meta = AttentionMetadata(slot_mapping, seqs, block_size=block_size)
         if dec_rows:
             meta.decode_rows = torch.tensor(dec_rows, dtype=torch.int64).to(device)
-            meta.decode = AttentionMetadata.build_decode(dec_ctx, dec_tables, block_size, device)
+            meta.decode = AttentionMetadata.build_decode(
+                dec_ctx, dec_tables, block_size, device, dec_ids, tables
+            )
         if pre_tables:
             width = max(len(t) for t in pre_tables)
             rows = [t + [0] * (width - len(t)) for t in pre_tables]
@@ -149,11 +161,24 @@ class AttentionMetadata:
         block_tables: list[list[int]],
         block_size: int,
         device: torch.device | str,
+        table_ids: list[int] | None = None,
+        tables: Any = None,
     ) -> AttentionMetadata:
-        """Metadata of the decode kernel: one query token per sequence, at position ctx - 1."""
-        widths = [(ctx + block_size - 1) // block_size for ctx in context_lens]
-        width = max(widths, default=1)
-        rows = [t[:w] + [0] * (width - w) for t, w in zip(block_tables, widths, strict=True)]
+        """Metadata of the decode kernel: one query token per sequence, at position ctx - 1.
+        With `tables` (TableUpload) and `table_ids` the block tables are its device rows, which
+        it uploads by difference; else they are built whole from the lists."""
+        device_tables = None
+        if tables is not None and table_ids is not None:
+            device_tables = tables.load(context_lens, block_tables, table_ids)
+        if device_tables is None:
+            widths = [(ctx + block_size - 1) // block_size for ctx in context_lens]
+            width = max(widths, default=1)
+            rows = [t[:w] + [0] * (width - w) for t, w in zip(block_tables, widths, strict=True)]
+            device_tables = (
+                torch.tensor(rows, dtype=torch.int32)
+                .reshape(len(rows), width)
+                .to(device, non_blocking=True)
+            )
         slots = [
             t[(ctx - 1) // block_size] * block_size + (ctx - 1) % block_size
             for t, ctx in zip(block_tables, context_lens, strict=True)
@@ -161,9 +186,7 @@ class AttentionMetadata:
         return AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64).to(device, non_blocking=True),
             seqs=[],
-            block_tables=torch.tensor(rows, dtype=torch.int32)
-            .reshape(len(rows), width)
-            .to(device, non_blocking=True),
+            block_tables=device_tables,
             context_lens=torch.tensor(context_lens, dtype=torch.int32).to(
                 device, non_blocking=True
             ),

@@ -15,7 +15,7 @@ import torch
 
 from safeserve.config import ServerArgs
 from safeserve.engine.attention import AttentionMetadata
-from safeserve.engine.cuda_graph import DecodeCudaGraphs
+from safeserve.engine.cuda_graph import DecodeCudaGraphs, TableUpload
 from safeserve.engine.kv_cache import KVCache, kv_blocks_from_memory
 from safeserve.engine.parallel import Comm, Layout
 from safeserve.engine.piecewise_graph import PiecewiseCudaGraphs
@@ -99,6 +99,12 @@ class ModelRunner:
         self.last_own_step_s = 0.0  # this rank's step time outside collectives
         self.cuda_graphs: DecodeCudaGraphs | None = None
         self.piecewise: PiecewiseCudaGraphs | None = None
+        # decode rows of the steps no decode graph runs: their block tables by difference
+        self.eager_tables = (
+            TableUpload(args.max_running_requests, self.max_model_len, args.block_size, self.device)
+            if self.device.type == "cuda"
+            else None
+        )
         if capture_cuda_graphs:
             self.capture_cuda_graphs()
 
@@ -371,6 +377,8 @@ class ModelRunner:
             [s.block_table for s in seqs],
             self.args.block_size,
             self.device,
+            table_ids=[s.table_id for s in seqs],
+            tables=self.eager_tables,
         )
         pw = self.piecewise
         if pw is not None and pw.can_run(group_tokens):

@@ -137,7 +137,9 @@ def _mirror_step(mirror, device: np.ndarray, seqs: list) -> int:
     """One step's fill and upload; checks the device rows and returns the entries sent."""
     host = mirror.tables.reshape(-1)
     sent, last = 0, -1
-    for lo, hi in mirror.fill(seqs):
+    for lo, hi in mirror.fill(
+        [s.end for s in seqs], [s.block_table for s in seqs], [s.table_id for s in seqs]
+    ):
         assert last <= lo < hi  # ascending, disjoint
         device[lo:hi] = host[lo:hi]
         sent, last = sent + hi - lo, hi
