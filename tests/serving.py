@@ -90,3 +90,31 @@ def stop_server(proc: subprocess.Popen) -> None:
     except ProcessLookupError:
         pass
     proc.wait(timeout=5)
+
+
+# Server flags for `preempts_and_loses_nothing`: a KV cache too small for its six requests.
+KV_PRESSURE = ["--num-kv-blocks", "12", "--max-running-requests", "6"]
+
+
+def preempts_and_loses_nothing(s: Server) -> dict:
+    """Six 40-token greedy completions at once against a server started with `KV_PRESSURE`
+    (6 x 5 blocks wanted, 12 held a rank): the group preempts and recomputes, and every request
+    ends with the tokens it gets when it runs alone. Returns the group's /admin/groups row."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = [[10 + (7 * i + j) % 200 for j in range(40)] for i in range(6)]
+
+    def complete(prompt: list[int]) -> list[int]:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 40, "temperature": 0}
+        body |= {"ignore_eos": True, "return_token_ids": True}
+        r = httpx.post(s.url + "/v1/completions", json=body, timeout=180)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["token_ids"]
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        together = list(pool.map(complete, prompts))
+    (g,) = httpx.get(s.admin_url + "/admin/groups").json()["groups"]
+    assert g["preemptions"] > 0
+    alone = [complete(p) for p in prompts]  # one at a time: nothing to preempt
+    assert together == alone and all(len(t) == 40 for t in together)
+    return g

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import httpx
-from serving import two_groups
+from serving import KV_PRESSURE, preempts_and_loses_nothing, two_groups
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVER = two_groups("--max-model-len", "256")
@@ -178,24 +178,9 @@ def test_kv_pressure_preempts_loses_nothing_and_points_to_its_runbook(server_fac
     """A real server with a KV cache too small for its concurrent requests: they are preempted
     and recomputed, every one ends with the tokens it gets when it runs alone, and the on-call
     view counts the preemptions and names the kv-pressure runbook."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    s = server_factory(["--num-kv-blocks", "12", "--max-running-requests", "6"])
-    prompts = [[10 + (7 * i + j) % 200 for j in range(40)] for i in range(6)]
-
-    def complete(prompt: list[int]) -> list[int]:
-        body = {"model": "tiny", "prompt": prompt, "max_tokens": 40, "temperature": 0}
-        body |= {"ignore_eos": True, "return_token_ids": True}
-        r = httpx.post(s.url + "/v1/completions", json=body, timeout=120)
-        assert r.status_code == 200, r.text
-        return r.json()["choices"][0]["token_ids"]
-
-    with ThreadPoolExecutor(len(prompts)) as pool:  # 6 x 5 blocks wanted, 12 held
-        together = list(pool.map(complete, prompts))
-    (g,) = httpx.get(s.admin_url + "/admin/groups").json()["groups"]
-    assert g["preemptions"] > 0 and g["kv_blocks_total"] == 12
-    alone = [complete(p) for p in prompts]  # one at a time: nothing to preempt
-    assert together == alone and all(len(t) == 40 for t in together)
+    s = server_factory(KV_PRESSURE)
+    g = preempts_and_loses_nothing(s)
+    assert g["kv_blocks_total"] == 12
     desc = oncall(s.admin_url, "describe", "group", "0").stdout
     assert "kv-pressure" in desc.split("Runbooks:")[1]
     assert f"{g['preemptions']} requests preempted" in desc

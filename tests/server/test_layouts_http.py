@@ -13,6 +13,7 @@ import psutil
 import pytest
 import torch
 from layouts import LAYOUTS, layout_args
+from serving import KV_PRESSURE, preempts_and_loses_nothing
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 PROMPTS = [
@@ -151,23 +152,4 @@ def test_preempting_group_answers_as_alone(server_factory, name: str) -> None:
     preempted and come back under new table ids, finished ones retire theirs, and the other
     rank rebuilds every block table from the leader's differences (engine/plan.py,
     TableSender): each request ends with the tokens it gets when it runs alone."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    import httpx
-
-    s = server_factory(["--num-kv-blocks", "12", "--max-running-requests", "6", *layout_args(name)])
-    prompts = [[10 + (7 * i + j) % 200 for j in range(40)] for i in range(6)]
-
-    def complete(prompt: list[int]) -> list[int]:
-        body = {"model": "tiny", "prompt": prompt, "max_tokens": 40, "temperature": 0}
-        body |= {"ignore_eos": True, "return_token_ids": True}
-        r = httpx.post(s.url + "/v1/completions", json=body, timeout=180)
-        assert r.status_code == 200, r.text
-        return r.json()["choices"][0]["token_ids"]
-
-    with ThreadPoolExecutor(len(prompts)) as pool:  # 6 x 5 blocks wanted, 12 a rank
-        together = list(pool.map(complete, prompts))
-    (g,) = httpx.get(s.admin_url + "/admin/groups").json()["groups"]
-    assert g["preemptions"] > 0
-    alone = [complete(p) for p in prompts]  # one at a time: nothing to preempt
-    assert together == alone and all(len(t) == 40 for t in together)
+    preempts_and_loses_nothing(server_factory([*KV_PRESSURE, *layout_args(name)]))
