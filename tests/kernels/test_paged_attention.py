@@ -181,6 +181,13 @@ def test_decode_kernel_wide_table_many_splits(case: int, dtype: torch.dtype) -> 
     ref = pa.paged_decode_torch(q.double(), kc.double(), vc.double(), bt, ctx, 16, 0.125)
     out = _decode_twice(q, kc, vc, wide, ctx, 16, 0.125)
     assert _rel_err(out, ref) <= (1e-2 if dtype == torch.bfloat16 else 1e-5)
+    # the first columns of a wider buffer (rows strided, as the runner's device table hands
+    # out its first rows and columns), the columns past them filled with garbage
+    big = torch.full((len(ctxs), width + 37), 10**6, dtype=torch.int32, device=DEVICE)
+    big[:, :width] = wide
+    view = big[:, : bt.shape[1]]
+    assert view.stride(0) == width + 37
+    torch.testing.assert_close(_decode_twice(q, kc, vc, view, ctx, 16, 0.125), out)
 
 
 @needs_kernel
