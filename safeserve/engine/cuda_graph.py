@@ -143,21 +143,17 @@ class TableUpload:
         self.uploaded = torch.cuda.Event()
 
     def load(self, ends: list[int], tables: list[list[int]], ids: list[int]) -> torch.Tensor | None:
-        """[n, w] int32 device tables of these rows, w the longest one's blocks (a view of the
-        first rows and columns: rows strided by the full width; entries past a row's context
-        are not meaningful), or None where they do not fit (the caller builds them as before)."""
+        """[n, width] int32 device tables of these rows (entries past a row's context are not
+        meaningful), or None where they do not fit (the caller builds them as before)."""
         n, bsz = len(ends), self.mirror.block_size
-        w = max(((e + bsz - 1) // bsz for e in ends), default=1)
-        if n > self.rows or w > self.width:
+        if n > self.rows or any((e + bsz - 1) // bsz > self.width for e in ends):
             return None
         self.uploaded.synchronize()  # the pinned rows are rewritten only once they went up
         flat = self.device_tables.view(-1)
         for lo, hi in self.mirror.fill(ends, tables, ids):
             flat[lo:hi].copy_(self.host[lo:hi], non_blocking=True)
         self.uploaded.record()
-        # as wide as the longest context, as whole tables were: the decode grid's splits
-        # follow the width (a wider one only adds programs that find no tokens)
-        return self.device_tables[:n, :w]
+        return self.device_tables[:n]
 
 
 class DecodeCudaGraphs:
