@@ -31,6 +31,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from safeserve.config import ServerArgs  # noqa: E402
+from safeserve.engine.kv_cache import new_table_id  # noqa: E402
 from safeserve.engine.model_runner import ModelRunner  # noqa: E402
 from safeserve.engine.plan import SeqPlan, StepPlan  # noqa: E402
 from safeserve.messages import SamplingParams  # noqa: E402
@@ -57,6 +58,7 @@ def _timed_decode(
     args, vocab = runner.args, runner.config.vocab_size
     per_seq = (input_len + steps + 8 + args.block_size - 1) // args.block_size
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
+    ids = [new_table_id() for _ in range(batch)]  # as the server's: only new entries go up
     params = SamplingParams(temperature=0.0, max_tokens=steps + 8)
     step = step0
     # Prefill: as many whole prompts per step as the step's token budget holds.
@@ -72,7 +74,7 @@ def _timed_decode(
     for j in range(steps + 4):  # the first 4 are not timed
         pos = input_len + j
         seqs = [
-            SeqPlan([_token(step, i, vocab)], pos, tables[i], params, output_index=j + 1)
+            SeqPlan([_token(step, i, vocab)], pos, tables[i], params, j + 1, ids[i])
             for i in range(batch)
         ]
         t0 = time.perf_counter()

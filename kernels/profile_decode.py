@@ -78,12 +78,14 @@ def build_runner(  # type: ignore[no-untyped-def]
 
 def decode_plans(runner, batch: int, input_len: int, steps: int):  # type: ignore[no-untyped-def]
     """Prefills `batch` prompts; yields decode plans one step at a time (tokens fed back)."""
+    from safeserve.engine.kv_cache import new_table_id
     from safeserve.engine.plan import SeqPlan, StepPlan
     from safeserve.messages import SamplingParams
 
     bsz = runner.args.block_size
     per_req = (input_len + steps + 2 + bsz - 1) // bsz
     tables = [list(range(i * per_req, (i + 1) * per_req)) for i in range(batch)]
+    ids = [new_table_id() for _ in range(batch)]  # as the server's: only new entries go up
     params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
     gen = torch.Generator().manual_seed(batch)
     vocab = runner.config.vocab_size
@@ -94,9 +96,7 @@ def decode_plans(runner, batch: int, input_len: int, steps: int):  # type: ignor
         last.extend(runner.execute(plan))
     for j in range(steps):
         pos = input_len + j
-        seqs = [
-            SeqPlan([last[i]], pos, tables[i], params, output_index=j + 1) for i in range(batch)
-        ]
+        seqs = [SeqPlan([last[i]], pos, tables[i], params, j + 1, ids[i]) for i in range(batch)]
         plan = StepPlan(step=batch + j, per_rank=[seqs])
         last = yield plan
         assert last is not None and len(last) == batch
