@@ -20,13 +20,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from safeserve.kernels import paged_attention as pa
 from safeserve.kernels import paged_prefill as pp
+
+if TYPE_CHECKING:
+    from safeserve.engine.cuda_graph import TableUpload
 
 
 @dataclass
@@ -82,7 +85,7 @@ class AttentionMetadata:
         device: torch.device | str,
         use_kernels: bool = True,
         table_ids: list[int] | None = None,
-        tables: Any = None,
+        tables: TableUpload | None = None,
     ) -> AttentionMetadata:
         """`use_kernels=False` forces the torch path (the kernels' oracle in tests). With
         `table_ids` (SeqPlan.table_id) and `tables` (engine/cuda_graph.py, TableUpload) the
@@ -162,7 +165,7 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device | str,
         table_ids: list[int] | None = None,
-        tables: Any = None,
+        tables: TableUpload | None = None,
     ) -> AttentionMetadata:
         """Metadata of the decode kernel: one query token per sequence, at position ctx - 1.
         With `tables` (TableUpload) and `table_ids` the block tables are its device rows, which

@@ -129,30 +129,46 @@ class TableMirror:
 
 
 class TableUpload:
-    """Block tables of decode rows on the device, uploaded by difference (`TableMirror`), for
-    the steps no decode graph runs (larger decode batches, and the decode rows of steps mixed
-    with prefill chunks). Rebuilding them from the plan's lists every step cost host time in
-    proportion to the contexts (64 rows of 8,192 tokens: 3 ms on a CPU core)."""
+    """Decode rows' block tables on the device, uploaded by difference (`TableMirror`): the
+    decode graphs' static rows, and the rows of the steps no decode graph runs (larger decode
+    batches, and the decode rows of steps mixed with prefill chunks). Rebuilding them from the
+    plan's lists every step cost host time in proportion to the contexts (64 rows of 8,192
+    tokens: 3 ms on a CPU core).
 
-    def __init__(self, rows: int, max_model_len: int, block_size: int, device: torch.device):
-        self.rows = rows
-        self.width = (max_model_len + block_size - 1) // block_size
-        self.device_tables = torch.zeros(rows, self.width, dtype=torch.int32, device=device)
-        self.host = torch.zeros(rows * self.width, dtype=torch.int32, pin_memory=True)
-        self.mirror = TableMirror(self.host.numpy().reshape(rows, self.width), block_size)
-        self.uploaded = torch.cuda.Event()
+    `device_tables` [rows, width] is where the rows go (a graph captures views of it);
+    `host` [rows * width] the staging copy (pinned where the device is a GPU)."""
+
+    def __init__(self, device_tables: torch.Tensor, host: torch.Tensor, block_size: int) -> None:
+        self.device_tables = device_tables
+        self.rows, self.width = device_tables.shape
+        self.host = host
+        self.mirror = TableMirror(host.numpy().reshape(self.rows, self.width), block_size)
+        self.uploaded = torch.cuda.Event() if device_tables.is_cuda else None
+
+    @classmethod
+    def allocate(
+        cls, rows: int, max_model_len: int, block_size: int, device: torch.device
+    ) -> TableUpload:
+        """Rows for `rows` sequences of up to `max_model_len` tokens."""
+        width = (max_model_len + block_size - 1) // block_size
+        tables = torch.zeros(rows, width, dtype=torch.int32, device=device)
+        host = torch.zeros(rows * width, dtype=torch.int32, pin_memory=device.type == "cuda")
+        return cls(tables, host, block_size)
 
     def load(self, ends: list[int], tables: list[list[int]], ids: list[int]) -> torch.Tensor | None:
-        """[n, width] int32 device tables of these rows (entries past a row's context are not
+        """Row i: context `ends[i]`, table `tables[i]`, table id `ids[i]`. Uploads what the
+        device lacks and returns the [n, width] rows (entries past a row's context are not
         meaningful), or None where they do not fit (the caller builds them as before)."""
         n, bsz = len(ends), self.mirror.block_size
         if n > self.rows or any((e + bsz - 1) // bsz > self.width for e in ends):
             return None
-        self.uploaded.synchronize()  # the pinned rows are rewritten only once they went up
+        if self.uploaded is not None:
+            self.uploaded.synchronize()  # the pinned rows are rewritten only once they went up
         flat = self.device_tables.view(-1)
         for lo, hi in self.mirror.fill(ends, tables, ids):
             flat[lo:hi].copy_(self.host[lo:hi], non_blocking=True)
-        self.uploaded.record()
+        if self.uploaded is not None:
+            self.uploaded.record()
         return self.device_tables[:n]
 
 
@@ -196,9 +212,7 @@ class DecodeCudaGraphs:
         self.context_lens = self.static[3 * max_bs : 4 * max_bs]
         self.block_tables = self.static[_SMALL_ROWS * max_bs :].view(max_bs, self.width)
         self.slot_mapping.fill_(-1)
-        self.tables = TableMirror(
-            self.host_np[_SMALL_ROWS * max_bs :].reshape(max_bs, self.width), block_size
-        )
+        self.tables = TableUpload(self.block_tables, self.host[_SMALL_ROWS * max_bs :], block_size)
         self.uploaded = torch.cuda.Event()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {}
@@ -300,16 +314,12 @@ class DecodeCudaGraphs:
         host[3 * max_bs + n : 4 * max_bs] = 0
         small = _SMALL_ROWS * max_bs
         self.static[:small].copy_(self.host[:small], non_blocking=True)
-        ends, tabs, ids = (
-            [s.end for s in seqs],
-            [s.block_table for s in seqs],
-            [s.table_id for s in seqs],
-        )
-        for lo, hi in self.tables.fill(ends, tabs, ids):  # only the table entries the device lacks
-            self.static[small + lo : small + hi].copy_(
-                self.host[small + lo : small + hi], non_blocking=True
-            )
         self.uploaded.record()
+        # only the table entries the device lacks (group_bucket checked that the tables fit)
+        tables = self.tables.load(
+            [s.end for s in seqs], [s.block_table for s in seqs], [s.table_id for s in seqs]
+        )
+        assert tables is not None
         self.graphs[bs].replay()
         self.replays += 1
         for effect in self.tapes[bs]:

@@ -101,7 +101,9 @@ class ModelRunner:
         self.piecewise: PiecewiseCudaGraphs | None = None
         # decode rows of the steps no decode graph runs: their block tables by difference
         self.eager_tables = (
-            TableUpload(args.max_running_requests, self.max_model_len, args.block_size, self.device)
+            TableUpload.allocate(
+                args.max_running_requests, self.max_model_len, args.block_size, self.device
+            )
             if self.device.type == "cuda"
             else None
         )

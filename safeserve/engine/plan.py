@@ -84,7 +84,7 @@ class TableSender:
                         s.table_id, have,
                     )
                 )  # fmt: skip
-                self._sent[s.table_id] = max(have, len(s.block_table))
+                self._sent[s.table_id] = len(s.block_table)
             per_rank.append(out)
         return dataclasses.replace(plan, per_rank=per_rank, retired_tables=list(retired))
 

@@ -7,7 +7,6 @@ step size maps to the smallest bucket that holds it."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -133,37 +132,45 @@ def test_every_rank_picks_the_same_decode_bucket_from_the_plan() -> None:
     assert graphs.can_run(seqs(2)) and not graphs.can_run([])
 
 
-def _mirror_step(mirror, device: np.ndarray, seqs: list) -> int:
-    """One step's fill and upload; checks the device rows and returns the entries sent."""
-    host = mirror.tables.reshape(-1)
-    sent, last = 0, -1
-    for lo, hi in mirror.fill(
-        [s.end for s in seqs], [s.block_table for s in seqs], [s.table_id for s in seqs]
-    ):
-        assert last <= lo < hi  # ascending, disjoint
-        device[lo:hi] = host[lo:hi]
-        sent, last = sent + hi - lo, hi
-    rows = device.reshape(mirror.tables.shape)
+def _upload_step(upload, seqs: list) -> int:
+    """One step through `TableUpload.load` (on CPU tensors); checks the rows it hands out and
+    returns the entries it copied."""
+    fill, copied = upload.mirror.fill, []
+
+    def counted(*args):  # type: ignore[no-untyped-def]
+        ranges = fill(*args)
+        copied.extend(ranges)
+        return ranges
+
+    upload.mirror.fill = counted
+    try:
+        rows = upload.load(
+            [s.end for s in seqs], [s.block_table for s in seqs], [s.table_id for s in seqs]
+        )
+    finally:
+        del upload.mirror.fill
+    bounds = [x for r in copied for x in r]
+    assert bounds == sorted(bounds) and all(lo < hi for lo, hi in copied), copied  # disjoint
     for i, s in enumerate(seqs):
-        w = -(-s.end // mirror.block_size)
+        w = -(-s.end // upload.mirror.block_size)
         assert rows[i, :w].tolist() == s.block_table[:w], f"row {i}"
-    return sent
+    return sum(hi - lo for lo, hi in copied)
 
 
 def test_decode_tables_upload_what_the_device_lacks_and_nothing_more() -> None:
-    """The decode graphs' block tables (TableMirror): after every step the device copy holds
+    """Decode rows' block tables (TableUpload): after every step the device copy holds
     each row's table up to its context, while sequences grow, finish, get preempted (their
     table restarts under a new id, with other blocks) and change rows; a steady step sends
     only new entries, whatever the table width."""
     import random
 
-    from safeserve.engine.cuda_graph import TableMirror
+    from safeserve.engine.cuda_graph import TableUpload
     from safeserve.engine.kv_cache import new_table_id
     from safeserve.engine.plan import SeqPlan
 
     bsz, max_bs, width = 4, 8, 64
-    mirror = TableMirror(np.zeros((max_bs, width), dtype=np.int32), bsz)
-    device = np.full(max_bs * width, -7, dtype=np.int32)
+    device = torch.full((max_bs, width), -7, dtype=torch.int32)  # what a step does not copy
+    upload = TableUpload(device, torch.zeros(max_bs * width, dtype=torch.int32), bsz)
     rng = random.Random(5)
     free = list(range(10_000))
     rng.shuffle(free)
@@ -197,19 +204,19 @@ def test_decode_tables_upload_what_the_device_lacks_and_nothing_more() -> None:
             if s.ctx < width * bsz:
                 s.ctx += 1
                 s.grow()
-        _mirror_step(mirror, device, [s.plan() for s in running])
+        _upload_step(upload, [s.plan() for s in running])
 
     # Steady: the same 8 rows, contexts growing by one token a step. A step sends exactly the
     # entries that appeared (none until a table crosses a block), not rows of the table width.
     running = [Seq(9 + 2 * i) for i in range(max_bs)]
-    _mirror_step(mirror, device, [s.plan() for s in running])
+    _upload_step(upload, [s.plan() for s in running])
     sends = []
     for _ in range(12):
         before = [len(s.blocks) for s in running]
         for s in running:
             s.ctx += 1
             s.grow()
-        sent = _mirror_step(mirror, device, [s.plan() for s in running])
+        sent = _upload_step(upload, [s.plan() for s in running])
         grew = [i for i, s in enumerate(running) if len(s.blocks) > before[i]]
         # one entry per table that grew, plus the entries between them (merged into one copy)
         span = (
@@ -221,12 +228,12 @@ def test_decode_tables_upload_what_the_device_lacks_and_nothing_more() -> None:
         sends.append(sent)
     assert 0 in sends and max(sends) < max_bs * width
     one = Seq(8)  # alone in row 0: a new block is one entry sent
-    assert _mirror_step(mirror, device, [one.plan()]) == 2
+    assert _upload_step(upload, [one.plan()]) == 2
     for ctx in range(9, 17):
         one.ctx = ctx
         one.grow()
-        assert _mirror_step(mirror, device, [one.plan()]) == (1 if ctx in (9, 13) else 0)
+        assert _upload_step(upload, [one.plan()]) == (1 if ctx in (9, 13) else 0)
     # A table without an id (-1) is always written whole.
     plain = SeqPlan([1], 20, list(range(100, 106)), None, 0)
-    _mirror_step(mirror, device, [plain])
-    assert _mirror_step(mirror, device, [plain]) == 6
+    _upload_step(upload, [plain])
+    assert _upload_step(upload, [plain]) == 6
