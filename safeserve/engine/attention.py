@@ -170,12 +170,16 @@ class AttentionMetadata:
         """Metadata of the decode kernel: one query token per sequence, at position ctx - 1.
         With `tables` (TableUpload) and `table_ids` the block tables are its device rows, which
         it uploads by difference; else they are built whole from the lists."""
+        widths = [(ctx + block_size - 1) // block_size for ctx in context_lens]
+        width = max(widths, default=1)
         device_tables = None
         if tables is not None and table_ids is not None:
             device_tables = tables.load(context_lens, block_tables, table_ids)
-        if device_tables is None:
-            widths = [(ctx + block_size - 1) // block_size for ctx in context_lens]
-            width = max(widths, default=1)
+        if device_tables is not None:
+            # only the columns the longest context uses (rows keep the full stride): the decode
+            # grid's splits follow the table's width, which is --max-model-len's otherwise
+            device_tables = narrow_tables(device_tables, width)
+        else:
             rows = [t[:w] + [0] * (width - w) for t, w in zip(block_tables, widths, strict=True)]
             device_tables = (
                 torch.tensor(rows, dtype=torch.int32)
@@ -195,6 +199,11 @@ class AttentionMetadata:
             ),
             block_size=block_size,
         )
+
+
+def narrow_tables(device_tables: torch.Tensor, width: int) -> torch.Tensor:
+    """The first `width` columns of block-table rows (a strided view, no copy)."""
+    return device_tables[:, :width]
 
 
 def _slots(table: list[int], lo: int, hi: int, block_size: int) -> torch.Tensor:

@@ -237,3 +237,33 @@ def test_decode_tables_upload_what_the_device_lacks_and_nothing_more() -> None:
     plain = SeqPlan([1], 20, list(range(100, 106)), None, 0)
     _upload_step(upload, [plain])
     assert _upload_step(upload, [plain]) == 6
+
+
+def test_eager_decode_tables_are_as_wide_as_the_longest_context() -> None:
+    """Eager decode rows get a view of the upload's rows only as wide as the longest context
+    (the decode grid's splits follow the width), not --max-model-len's full width; the rows keep
+    their stride and hold each table up to its context."""
+    from safeserve.engine.attention import AttentionMetadata
+    from safeserve.engine.cuda_graph import TableUpload
+    from safeserve.engine.kv_cache import new_table_id
+
+    bsz = 16
+    upload = TableUpload.allocate(
+        rows=8, max_model_len=40_960, block_size=bsz, device=torch.device("cpu")
+    )
+    ctxs = [17, 300, 5]
+    tables = [list(range(100 * i, 100 * i + -(-c // bsz))) for i, c in enumerate(ctxs)]
+    ids = [new_table_id() for _ in ctxs]
+    for step in range(2):  # the second step finds the entries already there
+        meta = AttentionMetadata.build_decode(ctxs, tables, bsz, "cpu", ids, upload)
+        bt = meta.block_tables
+        assert bt.shape == (3, -(-300 // bsz)), (step, bt.shape)
+        assert bt.stride(0) == 40_960 // bsz  # a view of the upload's rows, not a copy
+        for row, table, c in zip(bt.tolist(), tables, ctxs, strict=True):
+            assert row[: -(-c // bsz)] == table
+    # rows that do not fit the upload are built whole, as wide as the longest context
+    many = [7] * 9
+    meta = AttentionMetadata.build_decode(
+        many, [[i] for i in range(9)], bsz, "cpu", [new_table_id() for _ in many], upload
+    )
+    assert meta.block_tables.shape == (9, 1) and meta.block_tables.is_contiguous()
