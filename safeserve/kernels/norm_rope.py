@@ -8,9 +8,10 @@ replace them with two launches per layer:
   `x + residual` (rounded to the hidden dtype, as the unfused model adds) and returns it too, so
   the residual add of the previous block costs no launch of its own.
 * `qk_norm_rope_store(qkv, ...)`: one program per (token, head) of the fused q|k|v projection
-  output: q heads are RMS-normed and rotated into a fresh q; k heads are normed, rotated and
-  written straight into the paged cache at the token's slot; v heads are copied there (slot -1:
-  nothing written, the padding rows of a CUDA-graph batch).
+  output (per 16 tokens and head in prefill-sized steps): q heads are RMS-normed and rotated
+  into a fresh q; k heads are normed, rotated and written straight into the paged cache at the
+  token's slot; v heads are copied there (slot -1: nothing written, the padding rows of a
+  CUDA-graph batch).
 
 The kernels round where the unfused model rounds (the norm's output and every RoPE product and
 sum in the hidden dtype), so bf16 results match the torch path to its rounding and float32 to
@@ -31,6 +32,10 @@ from safeserve.kernels.common import (
     triton,
     use_kernels,
 )
+
+# Tokens per program of `qk_norm_rope_store` from this many tokens on (else one).
+QK_BLOCK_TOKENS = 16
+QK_BLOCK_MIN_TOKENS = 128
 
 # ---------------------------------------------------------------------------------------------
 # Torch references (the model's CPU path; transformers' numerics).
@@ -155,7 +160,11 @@ def qk_norm_rope_store(
     sin = sin if sin.stride(1) == 1 else sin.contiguous()
     half = head_dim // 2
     pdl = pdl_supported(qkv.device)
-    _qk_norm_rope_store_kernel[(num_tokens, num_heads + 2 * num_kv_heads)](
+    # Prefill-sized steps: a program per (16 tokens, head), not per (token, head): 2,048 tokens
+    # of 40 heads were 81,920 programs of 256 bytes each. Two variants only (both compiled by
+    # the start-up captures), so no step of a new size waits for a compile.
+    block_t = QK_BLOCK_TOKENS if num_tokens >= QK_BLOCK_MIN_TOKENS else 1
+    _qk_norm_rope_store_kernel[(triton.cdiv(num_tokens, block_t), num_heads + 2 * num_kv_heads)](
         qkv,
         q_weight,
         k_weight,
@@ -177,9 +186,11 @@ def qk_norm_rope_store(
         k_cache.stride(0),
         k_cache.stride(1),
         eps,
+        num_tokens,
         HALF_PAD=next_power_of_2(half),
+        BLOCK_T=block_t,
         USE_PDL=pdl,
-        num_warps=1 if head_dim <= 128 else 2,
+        num_warps=(1 if head_dim <= 128 else 2) * (4 if block_t > 1 else 1),
         launch_pdl=pdl,
     )
     return q
@@ -327,19 +338,22 @@ if HAS_TRITON:
         stride_cs,
         stride_ch,
         eps,
+        num_tokens,
         HALF_PAD: tl.constexpr,
+        BLOCK_T: tl.constexpr,
         USE_PDL: tl.constexpr,
     ):
-        t = tl.program_id(0).to(tl.int64) + tl.zeros([1], dtype=tl.int64)  # one token: [1]
+        t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)  # its tokens
+        t_ok = t < num_tokens
         head = tl.program_id(1)
         cols = tl.arange(0, HALF_PAD)
         ok = cols < half
         pdl_wait(USE_PDL)
         src = qkv_ptr + t[:, None] * stride_t + head * head_dim + cols[None, :]
-        x1 = tl.load(src, mask=ok[None, :], other=0.0)
-        x2 = tl.load(src + half, mask=ok[None, :], other=0.0)
+        x1 = tl.load(src, mask=t_ok[:, None] & ok[None, :], other=0.0)
+        x2 = tl.load(src + half, mask=t_ok[:, None] & ok[None, :], other=0.0)
         _qk_norm_rope_store_head(
-            x1, x2, t, t >= 0, head, cols, ok, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr,
+            x1, x2, t, t_ok, head, cols, ok, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr,
             vc_ptr, slot_ptr, num_heads, num_kv_heads, head_dim, half, stride_cos, stride_sin,
             stride_qt, stride_qh, stride_cs, stride_ch, eps,
         )  # fmt: skip

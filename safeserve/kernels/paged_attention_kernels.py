@@ -68,23 +68,34 @@ if HAS_TRITON:
         PAGE: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
         CAUSAL: tl.constexpr,
+        FULL: tl.constexpr = False,
     ):
         """One tile of BLOCK_N context tokens, gathered through the block table: online softmax.
 
         With CAUSAL (prefill, `safeserve.kernels.paged_prefill`) row r sees positions up to
         pos_q[r] only; position 0 is visible to every row, so no row's max stays -inf. Without
-        it (decode) pos_q is not read."""
+        it (decode) pos_q is not read. FULL: the caller knows every position of the tile is
+        below `hi` and visible to every row, so nothing is masked."""
         d = tl.arange(0, D_PAD)
         pos = start + tl.arange(0, BLOCK_N)
         ok = pos < hi
-        block = tl.load(bt_ptr + b * stride_bt + pos // PAGE, mask=ok, other=0).to(tl.int64)
+        if FULL:
+            block = tl.load(bt_ptr + b * stride_bt + pos // PAGE).to(tl.int64)
+        else:
+            block = tl.load(bt_ptr + b * stride_bt + pos // PAGE, mask=ok, other=0).to(tl.int64)
         slot = block * PAGE + pos % PAGE
         kv_off = slot[:, None] * stride_cs + kvh * stride_ch + d[None, :]
-        kv_mask = ok[:, None] & (d < HEAD_DIM)[None, :]
-        k = tl.load(kc_ptr + kv_off, mask=kv_mask, other=0.0)
-        v = tl.load(vc_ptr + kv_off, mask=kv_mask, other=0.0)
+        if FULL and D_PAD == HEAD_DIM:
+            k = tl.load(kc_ptr + kv_off)
+            v = tl.load(vc_ptr + kv_off)
+        else:
+            kv_mask = ok[:, None] & (d < HEAD_DIM)[None, :]
+            k = tl.load(kc_ptr + kv_off, mask=kv_mask, other=0.0)
+            v = tl.load(vc_ptr + kv_off, mask=kv_mask, other=0.0)
         qk = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        if CAUSAL:
+        if FULL:
+            pass
+        elif CAUSAL:
             qk = tl.where(ok[None, :] & (pos[None, :] <= pos_q[:, None]), qk, float("-inf"))
         else:
             qk = tl.where(ok[None, :], qk, float("-inf"))

@@ -11,6 +11,9 @@ Programs are (sequence, tile of query tokens, kv head): one program holds the ti
 all query heads of its kv head as one row tile (GQA: the group shares each K/V load) and keeps an
 online softmax over the context up to the tile's last position, causally masked per row. The grid
 is (sequences x the longest chunk's tiles, kv heads); tiles past a shorter chunk exit at once.
+
+Context tiles that every row of a program sees whole run without masks; the last ones (the
+chunk's own diagonal) are masked causally. A sequence's programs run longest-context first.
 """
 
 from __future__ import annotations
@@ -28,9 +31,25 @@ from safeserve.kernels.common import (
     use_kernels,
 )
 
-# Context tokens per loop step, and rows (tokens x padded group) per program.
-_BLOCK_N = 64
-_ROWS = 64
+# Tiles and launch shape: rows (query tokens x padded group) per program, context tokens per
+# loop step. Per device class, a list of (longest chunk of the launch from which it applies,
+# configuration); Hopper-class GPUs get the tuned ones (kernels/bench_prefill_attention.py,
+# kernels/RESULTS.md): long chunks take larger tiles, short ones more programs.
+PREFILL_CONFIGS: dict[str, list[tuple[int, dict[str, int]]]] = {
+    "default": [(0, {"rows": 64, "block_n": 64, "num_warps": 4, "num_stages": 2})],
+    "sm90": [
+        (0, {"rows": 64, "block_n": 64, "num_warps": 4, "num_stages": 2}),
+        (1024, {"rows": 128, "block_n": 128, "num_warps": 8, "num_stages": 3}),
+    ],
+}
+
+
+def prefill_config(device: torch.device, max_q_len: int) -> dict[str, int]:
+    """The tile configuration for a launch whose longest chunk is `max_q_len` tokens on this
+    device (a copy: callers may change it)."""
+    sm90 = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    table = PREFILL_CONFIGS["sm90" if sm90 else "default"]
+    return dict(next(cfg for lo, cfg in reversed(table) if max_q_len >= lo))
 
 
 def prefill_info(q_starts: list[int], q_lens: list[int], context_lens: list[int]) -> torch.Tensor:
@@ -75,10 +94,12 @@ def paged_prefill(
     block_size: int,
     scale: float,
     out: torch.Tensor,
+    config: dict[str, int] | None = None,
 ) -> torch.Tensor:
     """Writes the attention of every sequence's query rows into `out` [T, Hq, D] (other rows
     are left as they are). block_tables [S, W] int32 (W * block_size bounds every context);
-    info [S, 3] int32 from `prefill_info`, on q's device; max_q_len = the longest chunk."""
+    info [S, 3] int32 from `prefill_info`, on q's device; max_q_len = the longest chunk.
+    `config`: tiles and launch shape (default: `prefill_config`)."""
     if not use_kernels(q):
         return paged_prefill_torch(q, k_cache, v_cache, block_tables, info, block_size, scale, out)
     num_seqs = info.shape[0]
@@ -88,7 +109,8 @@ def paged_prefill(
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
     g_pad = next_power_of_2(group)
-    block_m = max(1, _ROWS // g_pad)  # query tokens per program
+    cfg = config or prefill_config(q.device, max_q_len)
+    block_m = max(1, cfg["rows"] // g_pad)  # query tokens per program
     tiles = triton.cdiv(max_q_len, block_m)
     q = q if q.stride(2) == 1 else q.contiguous()
     pdl = pdl_supported(q.device)
@@ -113,13 +135,13 @@ def paged_prefill(
         GROUP=group,
         G_PAD=g_pad,
         BLOCK_M=block_m,
-        BLOCK_N=_BLOCK_N,
+        BLOCK_N=cfg["block_n"],
         PAGE=block_size,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         WHILE_LOOP=not q.is_cuda,
         USE_PDL=pdl,
-        num_warps=4,
-        num_stages=2,
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
         launch_pdl=pdl,
     )
     return out
@@ -161,7 +183,8 @@ if HAS_TRITON:
     ):
         pdl_wait(USE_PDL)
         seq = tl.program_id(0) // tiles
-        t0 = (tl.program_id(0) % tiles) * BLOCK_M
+        # a sequence's last tiles (the longest contexts) first: the short ones fill in the end
+        t0 = (tiles - 1 - tl.program_id(0) % tiles) * BLOCK_M
         kvh = tl.program_id(1)
         ctx = tl.load(info_ptr + seq * 3)
         q_start = tl.load(info_ptr + seq * 3 + 1)
@@ -187,8 +210,18 @@ if HAS_TRITON:
         acc = tl.zeros([BLOCK_M * G_PAD, D_PAD], dtype=tl.float32)
         qk_scale = scale * 1.4426950408889634  # exp2 instead of exp
         hi = tl.minimum(ctx, ctx - q_len + t0 + BLOCK_M)  # the tile's last row sees up to hi-1
+        # Context tiles before `full` are visible to every row (the tile's first token sees
+        # positions 0 .. ctx - q_len + t0): no mask. The rest are masked causally.
+        full = (ctx - q_len + t0 + 1) // BLOCK_N * BLOCK_N
         if WHILE_LOOP:  # Triton's interpreter cannot take loaded values as range() bounds
             start = hi * 0
+            while start < full:
+                m_i, l_i, acc = _decode_tile(
+                    q, kc_ptr, vc_ptr, bt_ptr, seq, kvh, start, hi, pos_q, m_i, l_i, acc,
+                    qk_scale, stride_cs, stride_ch, stride_bt,
+                    D_PAD, HEAD_DIM, BLOCK_N, PAGE, DOT_PRECISION, True, True,
+                )  # fmt: skip
+                start += BLOCK_N
             while start < hi:
                 m_i, l_i, acc = _decode_tile(
                     q, kc_ptr, vc_ptr, bt_ptr, seq, kvh, start, hi, pos_q, m_i, l_i, acc,
@@ -197,7 +230,13 @@ if HAS_TRITON:
                 )  # fmt: skip
                 start += BLOCK_N
         else:
-            for start in range(0, hi, BLOCK_N):
+            for start in range(0, full, BLOCK_N):
+                m_i, l_i, acc = _decode_tile(
+                    q, kc_ptr, vc_ptr, bt_ptr, seq, kvh, start, hi, pos_q, m_i, l_i, acc,
+                    qk_scale, stride_cs, stride_ch, stride_bt,
+                    D_PAD, HEAD_DIM, BLOCK_N, PAGE, DOT_PRECISION, True, True,
+                )  # fmt: skip
+            for start in range(full, hi, BLOCK_N):
                 m_i, l_i, acc = _decode_tile(
                     q, kc_ptr, vc_ptr, bt_ptr, seq, kvh, start, hi, pos_q, m_i, l_i, acc,
                     qk_scale, stride_cs, stride_ch, stride_bt,

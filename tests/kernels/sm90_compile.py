@@ -101,26 +101,28 @@ def _launch_everything() -> None:
         x = torch.empty(3, h, dtype=dtype)
         nr.rms_norm(x, torch.empty(h, dtype=dtype), 1e-6)
         nr.rms_norm(x, torch.empty(h, dtype=dtype), 1e-6, torch.empty(3, h, dtype=dtype))
-        qkv = torch.empty(3, (heads + 2 * kv_heads) * d, dtype=dtype)
         caches = [torch.empty(64, kv_heads, d, dtype=dtype) for _ in range(2)]
+        for t in (3, nr.QK_BLOCK_MIN_TOKENS):  # a program per token, and per block of tokens
+            nr.qk_norm_rope_store(
+                torch.empty(t, (heads + 2 * kv_heads) * d, dtype=dtype),
+                torch.empty(d, dtype=dtype),
+                torch.empty(d, dtype=dtype),
+                torch.empty(t, d, dtype=dtype),
+                torch.empty(t, d, dtype=dtype),
+                1e-6,
+                heads,
+                kv_heads,
+                *caches,
+                torch.zeros(t, dtype=torch.int64),
+            )
         slots = torch.zeros(3, dtype=torch.int64)
-        nr.qk_norm_rope_store(
-            qkv,
-            torch.empty(d, dtype=dtype),
-            torch.empty(d, dtype=dtype),
-            torch.empty(3, d, dtype=dtype),
-            torch.empty(3, d, dtype=dtype),
-            1e-6,
-            heads,
-            kv_heads,
-            *caches,
-            slots,
-        )
         kv = torch.empty(3, kv_heads, d, dtype=dtype)
         pa.store_kv(kv, kv, *caches, slots)
         out = torch.empty(40, heads, d, dtype=dtype)
         info = torch.tensor([[40, 0, 33], [7, 33, 7]], dtype=torch.int32)
-        pp.paged_prefill(out, *caches, torch.zeros(2, 4, dtype=torch.int32), info, 33, 16, 0.1, out)
+        tables = torch.zeros(2, 4, dtype=torch.int32)
+        for _, cfg in pp.PREFILL_CONFIGS["sm90"]:  # the tiles an sm_90 device launches
+            pp.paged_prefill(out, *caches, tables, info, 33, 16, 0.1, out, cfg)
         for batch, width in ((1, 4), (64, 256)):  # one split; split contexts, merged in-kernel
             q = torch.empty(batch, heads, d, dtype=dtype)
             tables = torch.zeros(batch, width, dtype=torch.int32)

@@ -73,7 +73,15 @@ def test_rms_norm_kernel(dtype: torch.dtype, rows: int, hidden: int, with_residu
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(
-    "tokens,hq,hkv,d", [(1, 32, 4, 128), (5, 32, 4, 128), (67, 8, 8, 64), (3, 16, 2, 80)]
+    "tokens,hq,hkv,d",
+    [
+        (1, 32, 4, 128),
+        (5, 32, 4, 128),
+        (67, 8, 8, 64),
+        (3, 16, 2, 80),
+        (300, 32, 4, 128),
+        (nr.QK_BLOCK_MIN_TOKENS + 1, 16, 2, 80),
+    ],  # fmt: skip
 )
 def test_qk_norm_rope_store_kernel(dtype: torch.dtype, tokens: int, hq: int, hkv: int, d: int):  # type: ignore[no-untyped-def]
     gen = torch.Generator(device="cuda").manual_seed(tokens * 1000 + d)
