@@ -8,7 +8,8 @@ import os
 import sys
 
 from safeserve.chaos.cli import add_chaos_args
-from safeserve.config import TINY_MODEL, ConfigError, ServerArgs
+from safeserve.config import TINY_MODEL, ConfigError
+from safeserve.config_cli import add_server_args, server_args_from
 from safeserve.oncall.cli import add_oncall_args
 
 
@@ -18,7 +19,7 @@ def _serve(ns: argparse.Namespace) -> int:
         format="%(asctime)s [frontend] %(levelname)s %(name)s: %(message)s",
     )
     try:
-        args = ServerArgs.from_cli_args(ns)
+        args = server_args_from(ns)
     except ConfigError as e:
         print(f"safeserve: error: {e}", file=sys.stderr)
         return 2
@@ -123,7 +124,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
-    ServerArgs.add_cli_args(serve)
+    add_server_args(serve)
     serve.set_defaults(func=_serve)
     bench = sub.add_parser(
         "bench", help="offline decode benchmark: time per token against the memory floor"

@@ -1,13 +1,12 @@
 """Every flag of safeserve, its default and its checks, in one place.
 
 `ServerArgs` is the single source of truth: the CLI builds its argparse parser from the dataclass
-fields (their `metadata` holds help text, group and choices), and every process receives the same
-validated instance.
+fields (their `metadata` holds help text, group and choices; `safeserve.config_cli`), and every
+process receives the same validated instance.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import logging
 from dataclasses import dataclass, field
@@ -342,60 +341,3 @@ class ServerArgs:
             if d.get(secret):
                 d[secret] = "***"
         return d
-
-    # -- argparse ------------------------------------------------------------------------------
-    @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
-        groups: dict[str, argparse._ArgumentGroup] = {}
-        titles = {
-            "model": "model",
-            "server": "HTTP server",
-            "scheduler": "scheduling and KV cache",
-            "parallel": "parallelism",
-            "performance": "performance",
-            "guards": "guards",
-            "health": "health and watchdog",
-            "admin": "admin API",
-        }
-        for f in dataclasses.fields(cls):
-            meta = f.metadata
-            gname = meta["group"]
-            if gname not in groups:
-                groups[gname] = parser.add_argument_group(titles.get(gname, gname))
-            g = groups[gname]
-            flag = "--" + f.name.replace("_", "-")
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            help_text = meta["help"]
-            if default is not None and not isinstance(default, bool):
-                help_text += f" (default: {default})"
-            if meta.get("env"):
-                help_text += f" Also read from ${meta['env']}."
-            if f.type in ("bool", bool):
-                g.add_argument(flag, action="store_true", default=default, help=help_text)
-                continue
-            typ = _python_type(f.type)
-            g.add_argument(
-                flag, type=typ, default=default, choices=meta.get("choices"), help=help_text
-            )
-
-    @classmethod
-    def from_cli_args(cls, ns: argparse.Namespace) -> ServerArgs:
-        import os
-
-        kwargs: dict[str, Any] = {}
-        for f in dataclasses.fields(cls):
-            value = getattr(ns, f.name)
-            env = f.metadata.get("env")
-            if value is None and env and os.environ.get(env):
-                value = os.environ[env]
-            kwargs[f.name] = value
-        return cls(**kwargs)
-
-
-def _python_type(annotation: Any) -> type:
-    text = str(annotation)
-    if text.startswith("int"):
-        return int
-    if text.startswith("float"):
-        return float
-    return str

@@ -7,13 +7,14 @@ import dataclasses
 import sys
 
 from safeserve.config import ServerArgs
+from safeserve.config_cli import add_server_args
 
 PEERS = ("none", "transformers")
 
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
     """Every serve flag (model, device, dtype, KV cache, ...) plus the bench's own."""
-    ServerArgs.add_cli_args(parser)
+    add_server_args(parser)
     g = parser.add_argument_group("bench")
     g.add_argument(
         "--concurrency", default="1,2,4,8,16,32,64", help="Comma-separated batch sizes to run."

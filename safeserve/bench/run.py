@@ -107,12 +107,13 @@ def main(ns: argparse.Namespace) -> int:
     import logging
 
     from safeserve.config import ConfigError
+    from safeserve.config_cli import server_args_from
 
     logging.basicConfig(
         level=ns.log_level.upper(), format="%(asctime)s [bench] %(levelname)s %(name)s: %(message)s"
     )
     try:
-        args = ServerArgs.from_cli_args(ns)
+        args = server_args_from(ns)
         opts = BenchOptions.from_namespace(ns)
         check_one_rank(args)
         check_context(args, opts)

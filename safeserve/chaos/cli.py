@@ -57,10 +57,11 @@ def _admin_url(url: str) -> str:
 def check_server_args(args: list[str], what: str = "[server].args") -> ServerArgs:
     """The settings `safeserve serve` would run with `args`; ValueError (naming them `what`)
     where it would refuse them. A scenario's `[server].args` are checked before any run."""
-    from safeserve.config import ConfigError, ServerArgs
+    from safeserve.config import ConfigError
+    from safeserve.config_cli import add_server_args, server_args_from
 
     parser = argparse.ArgumentParser(prog="safeserve serve", add_help=False)
-    ServerArgs.add_cli_args(parser)
+    add_server_args(parser)
     try:
         ns, unknown = parser.parse_known_args(args)
     except SystemExit:
@@ -68,7 +69,7 @@ def check_server_args(args: list[str], what: str = "[server].args") -> ServerArg
     if unknown:
         raise ValueError(f"{what}: unknown `safeserve serve` argument {unknown[0]!r}")
     try:
-        return ServerArgs.from_cli_args(ns)
+        return server_args_from(ns)
     except ConfigError as e:
         raise ValueError(f"{what}: {e}") from None
 
