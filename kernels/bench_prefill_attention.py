@@ -18,14 +18,16 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from moe_bench_harness import _event_median_ms  # noqa: E402
 
 from safeserve.kernels import paged_prefill as pp  # noqa: E402
 
@@ -54,17 +56,7 @@ def make_case(seqs: int, q_len: int, ctx: int, hq: int, hkv: int, d: int, bs: in
 
 
 def time_us(fn, reps: int) -> float:
-    for _ in range(3):
-        fn()
-    samples = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        samples.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(samples)
+    return _event_median_ms(fn, reps) * 1e3
 
 
 def peer(case: dict, bs: int, scale: float, reps: int) -> tuple[float | None, str]:

@@ -126,3 +126,24 @@ def test_bench_serve_refuses_bad_setups_in_one_line(tmp_path: Path, capsys) -> N
     # nothing answers at --url
     assert bench_serve.main(["--url", "http://127.0.0.1:9", "--vocab", "100"]) == 2
     assert "bench_serve: error:" in capsys.readouterr().err
+
+
+def test_bench_prefill_times_every_chunk_of_a_prompt(tmp_path: Path) -> None:
+    """kernels/bench_prefill.py on CPU (the tiny model): one time per chunk step of each prompt,
+    the last chunk shorter, totals the sum of the chunks."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).parents[1]
+    out = tmp_path / "prefill.json"
+    cmd = [sys.executable, str(root / "kernels" / "bench_prefill.py"), "--model", "tiny",
+           "--device", "cpu", "--prompt-len", "200,64", "--chunk", "64", "--runs", "2",
+           "--json", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    points = json.loads(out.read_text())["points"]
+    assert [(p["prompt_len"], len(p["chunk_ms"])) for p in points] == [(200, 4), (64, 1)]
+    for p in points:
+        assert all(t > 0 for t in p["chunk_ms"]) and len(p["totals_ms"]) == 2
+        assert p["total_ms"] == pytest.approx(sum(p["chunk_ms"]))
+    assert "prompt 200: prefill" in proc.stdout
