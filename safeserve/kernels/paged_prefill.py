@@ -18,6 +18,8 @@ chunk's own diagonal) are masked causally. A sequence's programs run longest-con
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -33,8 +35,9 @@ from safeserve.kernels.common import (
 
 # Tiles and launch shape: rows (query tokens x padded group) per program, context tokens per
 # loop step. Per device class, a list of (longest chunk of the launch from which it applies,
-# configuration); Hopper-class GPUs get the tuned ones (kernels/bench_prefill_attention.py,
-# kernels/RESULTS.md): long chunks take larger tiles, short ones more programs.
+# configuration). "sm90": Hopper-class GPUs with Hopper's shared memory (the 128 x 128 tiles take
+# 128 KiB a program; a GB10 or an RTX 50 offers 99 KiB and gets "default"), tuned on an H200
+# (kernels/bench_prefill_attention.py, kernels/RESULTS.md): long chunks take larger tiles.
 PREFILL_CONFIGS: dict[str, list[tuple[int, dict[str, int]]]] = {
     "default": [(0, {"rows": 64, "block_n": 64, "num_warps": 4, "num_stages": 2})],
     "sm90": [
@@ -47,9 +50,25 @@ PREFILL_CONFIGS: dict[str, list[tuple[int, dict[str, int]]]] = {
 def prefill_config(device: torch.device, max_q_len: int) -> dict[str, int]:
     """The tile configuration for a launch whose longest chunk is `max_q_len` tokens on this
     device (a copy: callers may change it)."""
-    sm90 = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    sm90 = device.type == "cuda" and _hopper_class(
+        device.index if device.index is not None else torch.cuda.current_device()
+    )
     table = PREFILL_CONFIGS["sm90" if sm90 else "default"]
     return dict(next(cfg for lo, cfg in reversed(table) if max_q_len >= lo))
+
+
+# Shared memory a program may opt into on an H100/H200 (227 KiB); B200: 228 KiB.
+_HOPPER_SHARED_BYTES = 227 * 1024
+
+
+@functools.cache
+def _hopper_class(index: int) -> bool:
+    props = torch.cuda.get_device_properties(index)
+    shared = getattr(props, "shared_memory_per_block_optin", None)
+    if shared is None:  # a torch without the property: the data-center parts that have it
+        hopper_like = (props.major, props.minor) in ((9, 0), (10, 0), (10, 3))
+        shared = _HOPPER_SHARED_BYTES if hopper_like else 0
+    return props.major >= 9 and shared >= _HOPPER_SHARED_BYTES
 
 
 def prefill_info(q_starts: list[int], q_lens: list[int], context_lens: list[int]) -> torch.Tensor:

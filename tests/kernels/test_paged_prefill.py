@@ -124,10 +124,27 @@ def test_prefill_config_follows_the_longest_chunk_and_is_a_copy() -> None:
     cfg = pp.prefill_config(torch.device("cpu"), 1)
     cfg["rows"] = 1
     assert pp.PREFILL_CONFIGS["default"][0][1]["rows"] != 1
-    if HAS_CUDA and torch.cuda.get_device_capability()[0] >= 9:
+    if HAS_CUDA and any(n in torch.cuda.get_device_name() for n in ("H100", "H200")):
         table = pp.PREFILL_CONFIGS["sm90"]
         for lo, want in table:
             assert pp.prefill_config(torch.device("cuda"), max(lo, 1)) == want
+
+
+def test_large_tiles_only_where_hopper_shared_memory_is(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The sm90 tiles need 128 KiB of shared memory a program: an H100/H200/B200 (227 KiB) gets
+    them; a GB10 or an RTX 50 (compute capability 12, 99 KiB) and an A100 (8.0) do not."""
+    from types import SimpleNamespace
+
+    for major, shared, want in ((9, 232448, True), (10, 232448, True), (12, 101376, False),
+                                (8, 166912, False), (9, 0, False)):  # fmt: skip
+        props = SimpleNamespace(major=major, minor=0, shared_memory_per_block_optin=shared)
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i, p=props: p)
+        assert pp._hopper_class.__wrapped__(0) is want, (major, shared)
+    # a torch whose device properties lack the opt-in size: known parts by capability
+    for major, minor, want in ((9, 0, True), (10, 0, True), (12, 1, False), (12, 0, False)):
+        props = SimpleNamespace(major=major, minor=minor)
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i, p=props: p)
+        assert pp._hopper_class.__wrapped__(0) is want, (major, minor)
 
 
 @needs_kernel
