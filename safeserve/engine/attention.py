@@ -178,7 +178,7 @@ class AttentionMetadata:
         if device_tables is not None:
             # only the columns the longest context uses (rows keep the full stride): the decode
             # grid's splits follow the table's width, which is --max-model-len's otherwise
-            device_tables = narrow_tables(device_tables, width)
+            device_tables = device_tables[:, :width]
         else:
             rows = [t[:w] + [0] * (width - w) for t, w in zip(block_tables, widths, strict=True)]
             device_tables = (
@@ -199,11 +199,6 @@ class AttentionMetadata:
             ),
             block_size=block_size,
         )
-
-
-def narrow_tables(device_tables: torch.Tensor, width: int) -> torch.Tensor:
-    """The first `width` columns of block-table rows (a strided view, no copy)."""
-    return device_tables[:, :width]
 
 
 def _slots(table: list[int], lo: int, hi: int, block_size: int) -> torch.Tensor:

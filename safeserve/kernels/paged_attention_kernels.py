@@ -93,12 +93,11 @@ if HAS_TRITON:
             k = tl.load(kc_ptr + kv_off, mask=kv_mask, other=0.0)
             v = tl.load(vc_ptr + kv_off, mask=kv_mask, other=0.0)
         qk = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        if FULL:
-            pass
-        elif CAUSAL:
-            qk = tl.where(ok[None, :] & (pos[None, :] <= pos_q[:, None]), qk, float("-inf"))
-        else:
-            qk = tl.where(ok[None, :], qk, float("-inf"))
+        if not FULL:
+            if CAUSAL:
+                qk = tl.where(ok[None, :] & (pos[None, :] <= pos_q[:, None]), qk, float("-inf"))
+            else:
+                qk = tl.where(ok[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
