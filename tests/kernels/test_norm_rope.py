@@ -4,6 +4,8 @@ tile); on CPU, the references against the unfused math the model used before."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -109,6 +111,36 @@ def test_qk_norm_rope_store_kernel(dtype: torch.dtype, tokens: int, hq: int, hkv
         untouched[slots[ok]] = False
         assert cache[untouched].isnan().all()
     torch.testing.assert_close(caches[1][slots[ok]], vr[ok], rtol=0, atol=0)  # v: a copy
+
+
+INTERPRET = nr.HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.mark.skipif(not INTERPRET, reason="needs Triton and TRITON_INTERPRET=1")
+@pytest.mark.parametrize("tokens", [3, nr.QK_BLOCK_MIN_TOKENS + 5])
+def test_interpreter_qk_norm_rope_store_per_token_and_per_block(tokens: int) -> None:
+    """CPU, Triton's interpreter, float32: a program per token (3 tokens) and per 16-token
+    block (133: the last block partial) against the torch reference; the slots of the padding
+    row and the slots no token maps to are left alone."""
+    gen = torch.Generator().manual_seed(tokens)
+    hq, hkv, d = 4, 2, 16
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * d, generator=gen)
+    qw, kw = 1 + 0.3 * torch.randn(d, generator=gen), 1 + 0.3 * torch.randn(d, generator=gen)
+    cos, sin = _rope(torch.randint(0, 4096, (tokens,), generator=gen), d, torch.float32)
+    num_slots = 2 * tokens + 3
+    slots = torch.randperm(num_slots, generator=gen)[:tokens]
+    slots[tokens // 2] = -1
+    kc = torch.full((num_slots, hkv, d), float("nan"))
+    vc = kc.clone()
+    q = nr.qk_norm_rope_store(qkv, qw, kw, cos, sin, 1e-6, hq, hkv, kc, vc, slots)
+    qr, kr, vr = nr.qk_norm_rope_torch(qkv, qw, kw, cos, sin, 1e-6, hq, hkv)
+    torch.testing.assert_close(q, qr, rtol=1e-5, atol=1e-5)
+    ok = slots >= 0
+    torch.testing.assert_close(kc[slots[ok]], kr[ok], rtol=1e-5, atol=1e-5)
+    assert torch.equal(vc[slots[ok]], vr[ok])
+    untouched = torch.ones(num_slots, dtype=torch.bool)
+    untouched[slots[ok]] = False
+    assert kc[untouched].isnan().all() and vc[untouched].isnan().all()
 
 
 @needs_cuda
