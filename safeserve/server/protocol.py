@@ -6,7 +6,7 @@ import json
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from safeserve.server.errors import APIError, bad_request
 
@@ -40,6 +40,16 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     return_token_ids: bool = False
+    # OpenAI fields that would change the answer and that this server cannot honour: refused
+    # (400) when set to anything but their neutral value, never ignored.
+    logit_bias: dict[str, Any] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v:
+            raise ValueError("logit_bias is not supported")
+        return v
 
     @field_validator("n")
     @classmethod
@@ -74,6 +84,22 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(default=16, ge=1)
     echo: bool = False
     logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("best_of")
+    @classmethod
+    def _no_best_of(cls, v: int | None) -> int | None:
+        if v is not None and v > 1:
+            raise ValueError("best_of > 1 is not supported")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v: str | None) -> str | None:
+        if v:
+            raise ValueError("suffix is not supported")
+        return v
 
     @field_validator("echo")
     @classmethod
@@ -111,6 +137,15 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
+    top_logprobs: int | None = None
+    # No tool-call parser and no constrained decoding: a request that asks for tool calls or a
+    # JSON answer is refused rather than answered with plain text. Tools sent with tool_choice
+    # "none" (the model must not call them) pass.
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
 
     @field_validator("logprobs")
     @classmethod
@@ -118,6 +153,37 @@ class ChatCompletionRequest(_SamplingFields):
         if v:
             raise ValueError("logprobs are not supported")
         return v
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _no_top_logprobs(cls, v: int | None) -> int | None:
+        if v:
+            raise ValueError("logprobs are not supported")
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        kind = (v or {}).get("type", "text")
+        if kind != "text":
+            raise ValueError(f"response_format {kind!r} is not supported (no constrained decoding)")
+        return v
+
+    @model_validator(mode="after")
+    def _no_tool_calls(self) -> ChatCompletionRequest:
+        for tools, choice, name in (
+            (self.tools, self.tool_choice, "tools"),
+            (self.functions, self.function_call, "functions"),
+        ):
+            if tools and choice != "none":
+                raise ValueError(
+                    f"{name} are not supported (no tool-call parser); send "
+                    f'{"tool_choice" if name == "tools" else "function_call"} "none" to pass '
+                    "them without calls"
+                )
+            if choice not in (None, "none", "auto"):
+                raise ValueError(f"{name}: a forced call is not supported (no tool-call parser)")
+        return self
 
 
 def decode_json(raw: bytes) -> Any:

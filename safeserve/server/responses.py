@@ -45,26 +45,41 @@ def _sse(
     return StreamingResponse(body(), media_type="text/event-stream", headers=headers)
 
 
+def _usage_chunk_only(req: P.CompletionRequest | P.ChatCompletionRequest) -> bool:
+    """With `stream_options.include_usage` the usage goes in one extra chunk of no choices at
+    the end (OpenAI's contract: clients that add up the usage of every chunk count it once);
+    without it, on the final chunk."""
+    return bool(req.stream_options and req.stream_options.include_usage)
+
+
+def _finish_usage(gen: Generation, finish: str | None, usage_chunk: bool) -> dict | None:
+    if finish is None or usage_chunk:
+        return None
+    return P.usage(gen.num_prompt_tokens, gen.num_output_tokens)
+
+
 async def _completion_stream(gen: Generation, req: P.CompletionRequest) -> AsyncIterator[dict]:
+    usage_chunk = _usage_chunk_only(req)
     async for delta in gen.deltas():
         ids = delta.token_ids if req.return_token_ids else None
-        use = P.usage(gen.num_prompt_tokens, gen.num_output_tokens) if delta.finish_reason else None
+        use = _finish_usage(gen, delta.finish_reason, usage_chunk)
         if delta.text or delta.finish_reason or ids:
             yield P.completion_chunk(gen.rid, gen.model, delta.text, delta.finish_reason, use, ids)
-    if req.stream_options and req.stream_options.include_usage:
+    if usage_chunk:
         use = P.usage(gen.num_prompt_tokens, gen.num_output_tokens)
         yield P.completion_chunk(gen.rid, gen.model, "", None, use, empty=True)
 
 
 async def _chat_stream(gen: Generation, req: P.ChatCompletionRequest) -> AsyncIterator[dict]:
+    usage_chunk = _usage_chunk_only(req)
     yield P.chat_chunk(gen.rid, gen.model, {"role": "assistant", "content": ""}, None)
     async for delta in gen.deltas():
         ids = delta.token_ids if req.return_token_ids else None
-        use = P.usage(gen.num_prompt_tokens, gen.num_output_tokens) if delta.finish_reason else None
+        use = _finish_usage(gen, delta.finish_reason, usage_chunk)
         if delta.text or delta.finish_reason or ids:
             d = {"content": delta.text} if delta.text else {}
             yield P.chat_chunk(gen.rid, gen.model, d, delta.finish_reason, use, ids)
-    if req.stream_options and req.stream_options.include_usage:
+    if usage_chunk:
         use = P.usage(gen.num_prompt_tokens, gen.num_output_tokens)
         yield P.chat_chunk(gen.rid, gen.model, {}, None, use, empty=True)
 

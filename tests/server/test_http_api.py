@@ -179,7 +179,20 @@ def test_stream_concatenation_equals_non_streamed(server: Server, endpoint: str)
         c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
     ]
     assert finishes == [full.choices[0].finish_reason]
+    # include_usage: the usage is in the last chunk only (no choices), so a client that adds up
+    # every chunk's usage (as LangChain's chunks do) counts the tokens once
+    with_usage = [c for c in chunks if c.usage is not None]
+    assert with_usage == [chunks[-1]] and not chunks[-1].choices
     assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+    # without it, the usage rides on the final (finishing) chunk, once
+    if endpoint == "completions":
+        plain = list(client.completions.create(prompt="Mixture of experts", stream=True, **kw))
+    else:
+        plain = list(client.chat.completions.create(messages=msgs, stream=True, **kw))
+    with_usage = [c for c in plain if c.usage is not None]
+    assert with_usage == [plain[-1]] and plain[-1].choices[0].finish_reason
+    assert plain[-1].usage.completion_tokens == full.usage.completion_tokens
 
 
 def test_stream_ends_with_done_and_stop_string_cuts_text(server: Server) -> None:
@@ -239,6 +252,10 @@ BAD = [
     ("bad token id", {"model": MODEL, "prompt": [1, 10**7]}, 400),
     ("missing prompt", {"model": MODEL}, 400),
     ("unknown model", {"model": "gpt-9", "prompt": "hi"}, 404),
+    # fields that would change the answer and cannot be honoured: refused, not ignored
+    ("logit_bias", {"model": MODEL, "prompt": "hi", "logit_bias": {"5": 100}}, 400),
+    ("best_of", {"model": MODEL, "prompt": "hi", "best_of": 3}, 400),
+    ("suffix", {"model": MODEL, "prompt": "hi", "suffix": " end"}, 400),
 ]
 
 
@@ -260,17 +277,32 @@ def test_bad_input_gets_its_status_and_server_keeps_serving(
 
 def test_chat_bad_inputs(server: Server) -> None:
     headers = {"Authorization": f"Bearer {KEY}"}
-    for body in (
-        {"model": MODEL, "messages": []},
-        {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]},
-        {
-            "model": MODEL,
-            "messages": [{"role": "user", "content": "x"}],
-            "max_completion_tokens": -1,
-        },
+    user = [{"role": "user", "content": "x"}]
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    for body, says in (
+        ({"model": MODEL, "messages": []}, "messages"),
+        ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, "role"),
+        ({"model": MODEL, "messages": user, "max_completion_tokens": -1}, "max_completion"),
+        # tool calls and constrained answers: no parser, no constrained decoding
+        ({"model": MODEL, "messages": user, "tools": [tool]}, "tools are not supported"),
+        ({"model": MODEL, "messages": user, "tools": [tool], "tool_choice": "required"}, "tools"),
+        ({"model": MODEL, "messages": user, "tool_choice": {"type": "function"}}, "forced"),
+        ({"model": MODEL, "messages": user, "functions": [tool["function"]]}, "functions"),
+        ({"model": MODEL, "messages": user, "response_format": {"type": "json_object"}}, "json"),
+        ({"model": MODEL, "messages": user, "top_logprobs": 2}, "logprobs"),
+        ({"model": MODEL, "messages": user, "logit_bias": {"7": -100}}, "logit_bias"),
     ):
         r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=headers)
         assert r.status_code == 400, (body, r.text)
+        assert says in r.json()["error"]["message"], r.text
+    # their neutral values pass: tools the model must not call, a text answer, no bias
+    for extra in (
+        {"tools": [tool], "tool_choice": "none"},
+        {"response_format": {"type": "text"}, "logit_bias": {}, "tool_choice": "auto"},
+    ):
+        body = {"model": MODEL, "messages": user, "max_tokens": 2, **extra}
+        r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=headers)
+        assert r.status_code == 200, (extra, r.text)
 
 
 def test_auth_and_body_size(server: Server) -> None:
