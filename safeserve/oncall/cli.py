@@ -80,12 +80,7 @@ def main(ns: argparse.Namespace) -> int:
             if ns.output == "json":
                 print(json.dumps(r, indent=1))
             else:
-                verb = f"would {ns.verb}" if ns.dry_run else f"{ns.verb}: done"
-                others = ", ".join(map(str, r["other_ready_groups"])) or "none"
-                print(
-                    f"group {r['group']} {verb} (now {r['state']}, {r['in_flight']} in flight; "
-                    f"other READY groups: {others})"
-                )
+                print(_act_line(ns.verb, ns.dry_run, r))
     except Refused as e:
         print(f"safeserve oncall: error: {e}", file=sys.stderr)
         return 1
@@ -93,6 +88,26 @@ def main(ns: argparse.Namespace) -> int:
         print(f"safeserve oncall: error: {e}", file=sys.stderr)
         return 3
     return 0
+
+
+# States a group passes through on its way to where an action takes it.
+_UNDER_WAY = ("DRAINING", "RESTARTING", "STARTING")
+
+
+def _act_line(verb: str, dry_run: bool, r: dict) -> str:
+    """One line for a drain/undrain/restart answer: what was asked and where the group stands.
+    A group still on its way (draining its in-flight requests, restarting) is said to be so,
+    with how to follow it, not "done"."""
+    others = ", ".join(map(str, r["other_ready_groups"])) or "none"
+    state = f"now {r['state']}, {r['in_flight']} in flight; other READY groups: {others}"
+    if dry_run:
+        return f"group {r['group']} would {verb} ({state})"
+    if r["state"] in _UNDER_WAY:
+        return (
+            f"group {r['group']} {verb}: under way ({state}); follow it with "
+            "`safeserve oncall get groups`"
+        )
+    return f"group {r['group']} {verb}: done ({state})"
 
 
 def _runbook(name: str | None, folder: Path | None) -> int:

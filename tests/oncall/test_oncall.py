@@ -185,3 +185,21 @@ def test_kv_pressure_preempts_loses_nothing_and_points_to_its_runbook(server_fac
     assert "kv-pressure" in desc.split("Runbooks:")[1]
     assert f"{g['preemptions']} requests preempted" in desc
     assert oncall(s.admin_url, "runbook", "kv-pressure").stdout.startswith("# The KV cache is full")
+
+
+def test_an_action_still_under_way_is_not_reported_done() -> None:
+    """drain/restart answer at once, often before the group got where they take it: the line
+    says "under way" and how to follow it while the group drains or restarts, "done" only once
+    it is there, "would" on a dry run."""
+    from safeserve.oncall.cli import _act_line
+
+    r = {"group": 0, "state": "DRAINING", "in_flight": 3, "other_ready_groups": [1]}
+    line = _act_line("restart", False, r)
+    assert line.startswith("group 0 restart: under way (now DRAINING, 3 in flight;")
+    assert "safeserve oncall get groups" in line and "done" not in line
+    r = {**r, "state": "DRAINED", "in_flight": 0}
+    assert _act_line("drain", False, r).startswith("group 0 drain: done (now DRAINED, 0 in")
+    assert _act_line("drain", True, {**r, "state": "READY"}).startswith("group 0 would drain")
+    r = {"group": 2, "state": "RESTARTING", "in_flight": 0, "other_ready_groups": []}
+    assert "under way" in _act_line("restart", False, r)
+    assert "other READY groups: none" in _act_line("restart", False, r)
