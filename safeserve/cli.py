@@ -59,6 +59,17 @@ def _serve(ns: argparse.Namespace) -> int:
         print(f"safeserve: error: {e}", file=sys.stderr)
         return 2
 
+    # A port that is taken fails here, not after every group has loaded its model.
+    for flag, host, port in (
+        ("--port", args.host, args.port),
+        ("--admin-port", args.admin_host, args.admin_port_effective),
+    ):
+        if (why := _cannot_listen(host, port)) is not None:
+            print(
+                f"safeserve: error: cannot listen on {host}:{port} ({flag}): {why}", file=sys.stderr
+            )
+            return 2
+
     fatal: list[str] = []
     server: uvicorn.Server | None = None
 
@@ -84,6 +95,27 @@ def _serve(ns: argparse.Namespace) -> int:
     server = uvicorn.Server(config)
     server.run()
     return 1 if fatal else 0
+
+
+def _cannot_listen(host: str, port: int) -> str | None:
+    """Why a server could not listen on host:port (as uvicorn binds: SO_REUSEADDR), or None.
+    Port 0 (any free port) always can."""
+    import socket
+
+    if port == 0:
+        return None
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as e:
+        return str(e)
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(addr)
+        except OSError as e:
+            return e.strerror or str(e)
+    return None
 
 
 def _fused_moe_table_error() -> str | None:

@@ -265,6 +265,15 @@ class ServerArgs:
             raise ConfigError("--max-model-len must be at least 2")
         if not 0.0 < self.mem_fraction_static <= 1.0:
             raise ConfigError("--mem-fraction-static must be in (0, 1]")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"--port must be in 0..65535 (0: any free port), got {self.port}")
+        if not 0 <= self.admin_port_effective <= 65535:
+            raise ConfigError(
+                f"--admin-port must be in 0..65535, got {self.admin_port_effective} (its default "
+                "is --port + 1)"
+            )
+        if self.admin_port_effective == self.port != 0 and self.admin_host == self.host:
+            raise ConfigError("--admin-port must differ from --port")
         if self.max_request_body_bytes < 1024:
             raise ConfigError("--max-request-body-bytes must be at least 1024")
         if self.dispatch_budget_tokens is not None and self.dispatch_budget_tokens < 0:

@@ -44,6 +44,9 @@ def test_help_lists_grouped_flags() -> None:
         (["--model", "/nonexistent/dir"], "neither 'tiny' nor a local checkpoint"),
         (["--admin-host", "0.0.0.0"], "--admin-host off loopback needs --admin-api-key"),
         (["--num-groups", "0"], "must be >= 1"),
+        (["--port", "99999"], "--port must be in 0..65535"),
+        (["--port", "65535"], "--admin-port must be in 0..65535, got 65536"),
+        (["--port", "9000", "--admin-port", "9000"], "--admin-port must differ from --port"),
     ],
 )
 def test_bad_flags_exit_non_zero_with_one_line(args: list[str], message: str) -> None:
@@ -104,3 +107,24 @@ def test_a_reader_that_goes_away_ends_the_output_quietly(args: list[str]) -> Non
     finally:
         os.close(w)
     assert done.returncode == 0 and done.stderr == ""
+
+
+@pytest.mark.parametrize("flag", ["--port", "--admin-port"])
+def test_a_port_in_use_is_refused_before_any_group_starts(flag: str) -> None:
+    """Another process listens on the port: one line naming it, exit 2, and no rank process was
+    started (the refusal comes before the groups load their models)."""
+    import socket
+    import time
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        other = port + 2 if port < 65000 else port - 2
+        ports = [flag, str(port)] + (["--port", str(other)] if flag == "--admin-port" else [])
+        t0 = time.monotonic()
+        r = _cli("serve", "--model", "tiny", *ports)
+        assert r.returncode == 2, r.stderr[-2000:]
+        assert f"cannot listen on 127.0.0.1:{port} ({flag})" in r.stderr
+        assert "Traceback" not in r.stderr and "group 0" not in r.stderr
+        assert time.monotonic() - t0 < 30
