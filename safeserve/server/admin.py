@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response
 
 from safeserve.messages import FAULT_KINDS, InjectFault
 from safeserve.moe.eplb.balancedness import group_balancedness
-from safeserve.server.errors import APIError, bad_request, require_bearer
+from safeserve.server.errors import APIError, bad_request, install_route_errors, require_bearer
 from safeserve.server.protocol import decode_json
 
 if TYPE_CHECKING:
@@ -102,6 +102,8 @@ def build_admin_app(state: ServerState) -> FastAPI:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> Response:
         return exc.response()
+
+    install_route_errors(app)
 
     @app.get("/admin/groups")
     async def groups(request: Request) -> Response:

@@ -25,7 +25,13 @@ from safeserve.moe.eplb.balancedness import WINDOWS as BALANCE_WINDOWS
 from safeserve.moe.eplb.balancedness import group_balancedness
 from safeserve.server import protocol as P
 from safeserve.server.body_limit import BodySizeLimit
-from safeserve.server.errors import APIError, bad_request, require_bearer, unavailable
+from safeserve.server.errors import (
+    APIError,
+    bad_request,
+    install_route_errors,
+    require_bearer,
+    unavailable,
+)
 from safeserve.server.generate import Generation, Generator
 from safeserve.server.group_client import GroupClient
 from safeserve.server.metrics import Metrics
@@ -92,6 +98,11 @@ def build_app(args: ServerArgs, on_fatal: Callable[[str], None] | None = None) -
     async def _api_error(request: Request, exc: APIError) -> Response:
         state.metrics.requests.labels(request.url.path, str(exc.status)).inc()
         return exc.response()
+
+    # one label for every path it does not serve (not the path: clients choose those)
+    install_route_errors(
+        app, lambda status: state.metrics.requests.labels("unmatched", str(status)).inc()
+    )
 
     @app.get("/health")
     async def health() -> Response:

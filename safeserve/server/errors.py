@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import hmac
+from collections.abc import Callable
 
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
 
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    405: "invalid_request_error",
     409: "conflict_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
@@ -44,8 +49,8 @@ class APIError(Exception):
             }
         }
 
-    def response(self) -> JSONResponse:
-        headers = {}
+    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+        headers = dict(headers or {})
         if self.retry_after is not None:
             headers["Retry-After"] = str(max(1, round(self.retry_after)))
         if self.status == 401:
@@ -70,3 +75,31 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 
 def unavailable(message: str, retry_after: float = 1.0) -> APIError:
     return APIError(503, message, "service_unavailable", retry_after=retry_after)
+
+
+def install_route_errors(app: FastAPI, count: Callable[[int], None] | None = None) -> None:
+    """A path the app does not serve (404), a method it does not take there (405) or a path
+    parameter of the wrong type (400) answers in the same OpenAI error shape as every other
+    error; `count(status)` is told of each."""
+
+    @app.exception_handler(HTTPException)
+    async def _route_error(request: Request, exc: HTTPException) -> Response:
+        where = f"{request.method} {request.url.path}"
+        if exc.status_code == 404:
+            err = APIError(404, f"no such endpoint: {where}", "not_found")
+        elif exc.status_code == 405:
+            err = APIError(405, f"method not allowed: {where}", "method_not_allowed")
+        else:
+            err = APIError(exc.status_code, str(exc.detail))
+        if count is not None:
+            count(exc.status_code)
+        return err.response(dict(exc.headers or {}))
+
+    @app.exception_handler(RequestValidationError)
+    async def _path_error(request: Request, exc: RequestValidationError) -> Response:
+        # a path parameter of the wrong type (bodies are validated by the endpoints themselves)
+        first = exc.errors()[0] if exc.errors() else {}
+        field = str(first.get("loc", ["", "?"])[-1])
+        if count is not None:
+            count(400)
+        return bad_request(f"{field}: {first.get('msg', 'invalid')}", field).response()

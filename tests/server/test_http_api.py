@@ -326,6 +326,34 @@ def test_auth_and_body_size(server: Server) -> None:
     assert [m.id for m in _client(server).models.list()] == [MODEL]
 
 
+def test_unknown_paths_and_methods_answer_in_the_error_shape(server: Server) -> None:
+    """A path nobody serves (404), a method an endpoint does not take (405, with Allow) and a
+    mistyped admin path parameter (400) answer as every other error does; the metric counts
+    them under one label, not under paths that clients choose."""
+    headers = {"Authorization": f"Bearer {KEY}"}
+    before = _metric(server, 'safeserve:requests_total{endpoint="unmatched",status="404"}')
+    for i in range(3):
+        r = httpx.get(server.url + f"/v1/nothing-{i}", headers=headers)
+        assert r.status_code == 404
+        assert r.json()["error"] == {
+            "message": f"no such endpoint: GET /v1/nothing-{i}",
+            "type": "not_found_error",
+            "param": None,
+            "code": "not_found",
+        }
+    r = httpx.get(server.url + "/v1/completions", headers=headers)
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+    assert r.json()["error"]["code"] == "method_not_allowed"
+    text = httpx.get(server.url + "/metrics").text
+    assert "nothing-" not in text
+    after = _metric(server, 'safeserve:requests_total{endpoint="unmatched",status="404"}')
+    assert after - before == 3
+    r = httpx.post(server.admin_url + "/admin/groups/abc/drain")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "group_id", r.text
+    r = httpx.get(server.admin_url + "/admin/nothing")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+
+
 def test_metrics_exposed(server: Server) -> None:
     _client(server).completions.create(model=MODEL, prompt="count me", max_tokens=4, temperature=0)
     text = httpx.get(server.url + "/metrics").text
