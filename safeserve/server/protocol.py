@@ -6,11 +6,28 @@ import json
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from safeserve.server.errors import APIError, bad_request
 
 MAX_STOP_STRINGS = 16
+
+# Fields (of either request) that would change the answer and that this server cannot honour:
+# refused with 400 when set to anything but their neutral value, never ignored.
+_UNSUPPORTED = {
+    "logit_bias": "logit_bias is not supported",
+    "suffix": "suffix is not supported",
+    "echo": "echo is not supported",
+    "top_logprobs": "logprobs are not supported",
+}
 
 
 class StreamOptions(BaseModel):
@@ -40,15 +57,13 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     return_token_ids: bool = False
-    # OpenAI fields that would change the answer and that this server cannot honour: refused
-    # (400) when set to anything but their neutral value, never ignored.
     logit_bias: dict[str, Any] | None = None
 
-    @field_validator("logit_bias")
+    @field_validator(*_UNSUPPORTED, check_fields=False)
     @classmethod
-    def _no_logit_bias(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if v:
-            raise ValueError("logit_bias is not supported")
+    def _unsupported(cls, v: Any, info: ValidationInfo) -> Any:
+        if v:  # anything but the field's neutral value (unset, empty, false, 0)
+            raise ValueError(_UNSUPPORTED[info.field_name or ""])
         return v
 
     @field_validator("n")
@@ -94,20 +109,6 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("best_of > 1 is not supported")
         return v
 
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, v: str | None) -> str | None:
-        if v:
-            raise ValueError("suffix is not supported")
-        return v
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("echo is not supported")
-        return v
-
     @field_validator("logprobs")
     @classmethod
     def _no_logprobs(cls, v: int | None) -> int | None:
@@ -150,13 +151,6 @@ class ChatCompletionRequest(_SamplingFields):
     @field_validator("logprobs")
     @classmethod
     def _no_logprobs(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("logprobs are not supported")
-        return v
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _no_top_logprobs(cls, v: int | None) -> int | None:
         if v:
             raise ValueError("logprobs are not supported")
         return v
