@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from safeserve.cli import main
 from safeserve.model.checkpoint import load_model_config
@@ -77,6 +78,25 @@ def test_bench_rejects_bad_flags(capsys) -> None:  # type: ignore[no-untyped-def
     assert main(["bench", "--tp-size", "2"]) == 2
     err = capsys.readouterr().err
     assert "kernels/bench_tp_decode.py" in err and "Traceback" not in err
+
+
+def test_bench_refuses_what_would_fail_late(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """An unwritable --json and a missing CUDA device are refused before the run (the JSON
+    used to fail only after the whole run, losing its numbers); a --json in folders that do
+    not exist yet gets them."""
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert main(["bench", "--json", str(blocker / "out.json")]) == 2
+    assert "cannot create its folder" in capsys.readouterr().err
+    assert main(["bench", "--json", str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["bench", "--device", "cuda"]) == 2
+        assert "no CUDA device is visible" in capsys.readouterr().err
+    out = tmp_path / "new" / "deeper" / "bench.json"
+    args = ["--concurrency", "1", "--input-len", "8", "--output-len", "3", "--json", str(out)]
+    assert main(["bench", *args]) == 0
+    assert json.loads(out.read_text())["points"][0]["concurrency"] == 1
 
 
 def _bench_serve():  # type: ignore[no-untyped-def]

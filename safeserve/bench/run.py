@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import platform
 import sys
 from pathlib import Path
@@ -26,6 +27,33 @@ def check_one_rank(args: ServerArgs) -> None:
             "kernels/bench_tp_decode.py with the same layout flags (one engine rank per GPU, "
             "decode steps eagerly and as CUDA graphs)"
         )
+
+
+def check_device(args: ServerArgs) -> None:
+    """--device cuda needs a CUDA device this torch can see."""
+    if args.device == "cuda" and not torch.cuda.is_available():
+        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        raise ValueError(
+            f"--device cuda: no CUDA device is visible (torch {torch.__version__}, {build})"
+        )
+
+
+def check_output(path: str | None) -> None:
+    """The --json file can be written: checked before the run, not after it (its folders are
+    made if missing)."""
+    if not path:
+        return
+    target = Path(path)
+    if target.is_dir():
+        raise ValueError(f"--json {path}: is a directory")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--json {path}: cannot create its folder ({e.strerror})") from None
+    if not os.access(target.parent, os.W_OK) or (
+        target.exists() and not os.access(target, os.W_OK)
+    ):
+        raise ValueError(f"--json {path}: not writable")
 
 
 def run_bench(args: ServerArgs, opts: BenchOptions) -> dict:
@@ -116,7 +144,9 @@ def main(ns: argparse.Namespace) -> int:
         args = server_args_from(ns)
         opts = BenchOptions.from_namespace(ns)
         check_one_rank(args)
+        check_device(args)
         check_context(args, opts)
+        check_output(opts.json_path)
     except (ConfigError, ValueError) as e:
         print(f"safeserve bench: error: {e}", file=sys.stderr)
         return 2
