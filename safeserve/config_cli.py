@@ -1,12 +1,13 @@
 """The command line of `ServerArgs` (`safeserve.config`): an argparse group per flag group,
 built from the dataclass fields (their help, group, choices and environment variable), and the
-validated instance back from the parsed namespace."""
+validated instance back from the parsed namespace; and the check of a command's output file."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import os
+from pathlib import Path
 from typing import Any
 
 from safeserve.config import ServerArgs
@@ -70,3 +71,20 @@ def _python_type(annotation: Any) -> type:
     if text.startswith("float"):
         return float
     return str
+
+
+def check_output_file(path: str | os.PathLike[str] | None, flag: str) -> None:
+    """ValueError unless the file a command writes at its end (`flag`) can be written: checked
+    before the work, not after it. Its missing folders are made."""
+    if not path:
+        return
+    target = Path(path)
+    if target.is_dir():
+        raise ValueError(f"{flag} {path}: is a directory")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: cannot create its folder ({e.strerror})") from None
+    writable = os.access(target.parent, os.W_OK)
+    if not writable or (target.exists() and not os.access(target, os.W_OK)):
+        raise ValueError(f"{flag} {path}: not writable")

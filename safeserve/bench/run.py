@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import platform
 import sys
 from pathlib import Path
@@ -36,24 +35,6 @@ def check_device(args: ServerArgs) -> None:
         raise ValueError(
             f"--device cuda: no CUDA device is visible (torch {torch.__version__}, {build})"
         )
-
-
-def check_output(path: str | None) -> None:
-    """The --json file can be written: checked before the run, not after it (its folders are
-    made if missing)."""
-    if not path:
-        return
-    target = Path(path)
-    if target.is_dir():
-        raise ValueError(f"--json {path}: is a directory")
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"--json {path}: cannot create its folder ({e.strerror})") from None
-    if not os.access(target.parent, os.W_OK) or (
-        target.exists() and not os.access(target, os.W_OK)
-    ):
-        raise ValueError(f"--json {path}: not writable")
 
 
 def run_bench(args: ServerArgs, opts: BenchOptions) -> dict:
@@ -135,7 +116,7 @@ def main(ns: argparse.Namespace) -> int:
     import logging
 
     from safeserve.config import ConfigError
-    from safeserve.config_cli import server_args_from
+    from safeserve.config_cli import check_output_file, server_args_from
 
     logging.basicConfig(
         level=ns.log_level.upper(), format="%(asctime)s [bench] %(levelname)s %(name)s: %(message)s"
@@ -146,7 +127,7 @@ def main(ns: argparse.Namespace) -> int:
         check_one_rank(args)
         check_device(args)
         check_context(args, opts)
-        check_output(opts.json_path)
+        check_output_file(opts.json_path, "--json")
     except (ConfigError, ValueError) as e:
         print(f"safeserve bench: error: {e}", file=sys.stderr)
         return 2

@@ -76,6 +76,7 @@ def check_server_args(args: list[str], what: str = "[server].args") -> ServerArg
 
 def main(ns: argparse.Namespace) -> int:
     from safeserve.chaos.scenario import ScenarioError, load_scenario
+    from safeserve.config_cli import check_output_file
 
     if ns.chaos_command == "list":
         return _list(ns.dir, ns.output)
@@ -86,6 +87,7 @@ def main(ns: argparse.Namespace) -> int:
         admin_url = ns.admin_url or (_admin_url(ns.url) if ns.url else None)
         if ns.url is None:
             check_server_args([*sc.server.args, *shlex.split(ns.server_args)])  # type: ignore[union-attr]
+        check_output_file(ns.json, "--json")
     except (ScenarioError, ValueError) as e:
         print(f"safeserve chaos: error: {e}", file=sys.stderr)
         return 2

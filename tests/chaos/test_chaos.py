@@ -76,6 +76,10 @@ def test_run_refuses_a_bad_scenario_before_starting_anything(tmp_path: Path) -> 
     notoml = tmp_path / "x.toml"
     notoml.write_text("name = \n")
     assert _chaos("run", str(notoml), timeout=60).returncode == 2
+    # a report that could not be written at the end is refused at the start
+    good = sorted((ROOT / "chaos").glob("*.toml"))[0]
+    r = _chaos("run", str(good), "--json", str(tmp_path), timeout=60)
+    assert r.returncode == 2 and "--json" in r.stderr and "is a directory" in r.stderr
 
 
 def _rec(i: int, ids: list[int], **kw: object) -> RequestRecord:
