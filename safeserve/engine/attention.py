@@ -45,11 +45,13 @@ class SeqAttention:
 @dataclass
 class PrefillBatch:
     """The prefill kernel's view of a step's chunks (CUDA): [S, W] int32 block tables, [S, 3]
-    int32 (context length, first query row, query length), and the longest chunk."""
+    int32 (context length, first query row, query length), the longest chunk, and the kernel's
+    tiles for it (`paged_prefill.prefill_config`, chosen once a step, not once a layer)."""
 
     block_tables: torch.Tensor
     info: torch.Tensor
     max_q_len: int
+    config: dict[str, int] | None = None
 
 
 @dataclass
@@ -155,6 +157,7 @@ class AttentionMetadata:
                 block_tables=torch.tensor(rows, dtype=torch.int32).to(device),
                 info=pp.prefill_info(pre_starts, pre_lens, pre_ctx).to(device),
                 max_q_len=max(pre_lens),
+                config=pp.prefill_config(torch.device(device), max(pre_lens)),
             )
         return meta
 
@@ -252,8 +255,9 @@ def attend(
     if meta.prefill is not None:
         p = meta.prefill
         pp.paged_prefill(
-            q, k_cache, v_cache, p.block_tables, p.info, p.max_q_len, meta.block_size, scale, out
-        )
+            q, k_cache, v_cache, p.block_tables, p.info, p.max_q_len, meta.block_size, scale, out,
+            p.config,
+        )  # fmt: skip
     if meta.decode is not None and meta.decode_rows is not None:
         d = meta.decode
         assert d.block_tables is not None and d.context_lens is not None
