@@ -118,3 +118,25 @@ def preempts_and_loses_nothing(s: Server) -> dict:
     alone = [complete(p) for p in prompts]  # one at a time: nothing to preempt
     assert together == alone and all(len(t) == 40 for t in together)
     return g
+
+
+# The API tests' server (tests/server/conftest.py starts it): a key and a served model name.
+API_KEY = "test-key"
+API_MODEL = "qwen3-moe-test"
+
+
+def api_client(s: Server):  # type: ignore[no-untyped-def]
+    """The `openai` client of that server (no retries: a test sees every answer)."""
+    import openai
+
+    return openai.OpenAI(base_url=s.url + "/v1", api_key=API_KEY, max_retries=0)
+
+
+def metric(s: Server, name: str) -> float:
+    """The sum of a Prometheus series' samples (`name`, with or without labels) on /metrics."""
+    text = httpx.get(s.url + "/metrics").text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total

@@ -1,4 +1,5 @@
-"""A real server process, a real client (`openai`), a checkpoint written by `transformers`."""
+"""A real server process, a real client (`openai`), a checkpoint written by `transformers`
+(the server: tests/server/conftest.py): what answers carry, against transformers' own."""
 
 from __future__ import annotations
 
@@ -6,53 +7,18 @@ import asyncio
 import json
 import re
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 import torch
-from checkpoints import write_qwen3_moe_checkpoint
-from serving import Server, start_server, stop_server
+from serving import API_KEY as KEY
+from serving import API_MODEL as MODEL
+from serving import Server
+from serving import api_client as _client
+from serving import metric as _metric
 from transformers import AutoModelForCausalLM, AutoTokenizer
-
-KEY = "test-key"
-MODEL = "qwen3-moe-test"
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # A long context so that a long generation can be cut off by a disconnect.
-    return write_qwen3_moe_checkpoint(
-        tmp_path_factory.mktemp("http"), seed=11, max_position_embeddings=4096
-    )
-
-
-@pytest.fixture(scope="module")
-def server(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    log = tmp_path_factory.mktemp("log") / "server.log"
-    s = start_server(
-        [
-            "--model",
-            str(ckpt),
-            "--served-model-name",
-            MODEL,
-            "--api-key",
-            KEY,
-            "--chunked-prefill-size",
-            "8",
-            "--max-num-batched-tokens",
-            "64",
-            "--max-model-len",
-            "2048",
-            "--max-request-body-bytes",
-            "65536",
-        ],
-        log,
-    )
-    yield s
-    stop_server(s.proc)
 
 
 @pytest.fixture(scope="module")
@@ -60,10 +26,6 @@ def hf(ckpt: Path):
     return AutoModelForCausalLM.from_pretrained(
         ckpt, dtype=torch.float32
     ).eval(), AutoTokenizer.from_pretrained(ckpt)
-
-
-def _client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
 
 
 def _hf_greedy(hf, prompt_ids: list[int], n: int) -> list[int]:
@@ -76,15 +38,6 @@ def _hf_greedy(hf, prompt_ids: list[int], n: int) -> list[int]:
         if t in eos:
             return out[:i]
     return out
-
-
-def _metric(server: Server, name: str) -> float:
-    text = httpx.get(server.url + "/metrics").text
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 PROMPTS = [
@@ -236,122 +189,6 @@ def test_stream_ends_with_done_and_stop_string_cuts_text(server: Server) -> None
     assert events[-1] == "data: [DONE]"
     streamed = "".join(json.loads(e[6:])["choices"][0]["text"] for e in events[:-1])
     assert streamed == text[:first]
-
-
-BAD = [
-    ("malformed json", b'{"model": "m", "prompt": ', 400),
-    ("not an object", [1, 2, 3], 400),
-    ("wrong type", {"model": MODEL, "prompt": "hi", "max_tokens": "ten"}, 400),
-    ("empty prompt", {"model": MODEL, "prompt": ""}, 400),
-    ("empty id list", {"model": MODEL, "prompt": []}, 400),
-    ("max_tokens 0", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400),
-    ("too long", {"model": MODEL, "prompt": "hi", "max_tokens": 5000}, 400),
-    ("temperature", {"model": MODEL, "prompt": "hi", "temperature": 2.5}, 400),
-    ("top_p", {"model": MODEL, "prompt": "hi", "top_p": 0.0}, 400),
-    ("n>1", {"model": MODEL, "prompt": "hi", "n": 2}, 400),
-    ("bad token id", {"model": MODEL, "prompt": [1, 10**7]}, 400),
-    ("missing prompt", {"model": MODEL}, 400),
-    ("unknown model", {"model": "gpt-9", "prompt": "hi"}, 404),
-    # fields that would change the answer and cannot be honoured: refused, not ignored
-    ("logit_bias", {"model": MODEL, "prompt": "hi", "logit_bias": {"5": 100}}, 400),
-    ("best_of", {"model": MODEL, "prompt": "hi", "best_of": 3}, 400),
-    ("suffix", {"model": MODEL, "prompt": "hi", "suffix": " end"}, 400),
-]
-
-
-@pytest.mark.parametrize("name,body,status", BAD, ids=[b[0] for b in BAD])
-def test_bad_input_gets_its_status_and_server_keeps_serving(
-    server: Server, name: str, body, status: int
-) -> None:
-    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
-    content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    r = httpx.post(server.url + "/v1/completions", content=content, headers=headers)
-    assert r.status_code == status, r.text
-    err = r.json()["error"]
-    assert err["message"] and err["type"] and err["code"]
-    ok = _client(server).completions.create(
-        model=MODEL, prompt="still here", max_tokens=2, temperature=0
-    )
-    assert ok.choices[0].finish_reason in ("length", "stop")
-
-
-def test_chat_bad_inputs(server: Server) -> None:
-    headers = {"Authorization": f"Bearer {KEY}"}
-    user = [{"role": "user", "content": "x"}]
-    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-    for body, says in (
-        ({"model": MODEL, "messages": []}, "messages"),
-        ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, "role"),
-        ({"model": MODEL, "messages": user, "max_completion_tokens": -1}, "max_completion"),
-        # tool calls and constrained answers: no parser, no constrained decoding
-        ({"model": MODEL, "messages": user, "tools": [tool]}, "tools are not supported"),
-        ({"model": MODEL, "messages": user, "tools": [tool], "tool_choice": "required"}, "tools"),
-        ({"model": MODEL, "messages": user, "tool_choice": {"type": "function"}}, "forced"),
-        ({"model": MODEL, "messages": user, "functions": [tool["function"]]}, "functions"),
-        ({"model": MODEL, "messages": user, "response_format": {"type": "json_object"}}, "json"),
-        ({"model": MODEL, "messages": user, "top_logprobs": 2}, "logprobs"),
-        ({"model": MODEL, "messages": user, "logit_bias": {"7": -100}}, "logit_bias"),
-    ):
-        r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=headers)
-        assert r.status_code == 400, (body, r.text)
-        assert says in r.json()["error"]["message"], r.text
-    # their neutral values pass: tools the model must not call, a text answer, no bias
-    for extra in (
-        {"tools": [tool], "tool_choice": "none"},
-        {"response_format": {"type": "text"}, "logit_bias": {}, "tool_choice": "auto"},
-    ):
-        body = {"model": MODEL, "messages": user, "max_tokens": 2, **extra}
-        r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=headers)
-        assert r.status_code == 200, (extra, r.text)
-
-
-def test_auth_and_body_size(server: Server) -> None:
-    body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
-    assert httpx.post(server.url + "/v1/completions", json=body).status_code == 401
-    r = httpx.post(
-        server.url + "/v1/completions", json=body, headers={"Authorization": "Bearer nope"}
-    )
-    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-    assert httpx.get(server.url + "/v1/models").status_code == 401
-    with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
-    big = {"model": MODEL, "prompt": "x" * 100_000}
-    r = httpx.post(
-        server.url + "/v1/completions", json=big, headers={"Authorization": f"Bearer {KEY}"}
-    )
-    assert r.status_code == 413
-    # Health, readiness and metrics need no key.
-    assert httpx.get(server.url + "/health").status_code == 200
-    assert httpx.get(server.url + "/ready").status_code == 200
-    assert [m.id for m in _client(server).models.list()] == [MODEL]
-
-
-def test_unknown_paths_and_methods_answer_in_the_error_shape(server: Server) -> None:
-    """A path nobody serves (404), a method an endpoint does not take (405, with Allow) and a
-    mistyped admin path parameter (400) answer as every other error does; the metric counts
-    them under one label, not under paths that clients choose."""
-    headers = {"Authorization": f"Bearer {KEY}"}
-    before = _metric(server, 'safeserve:requests_total{endpoint="unmatched",status="404"}')
-    for i in range(3):
-        r = httpx.get(server.url + f"/v1/nothing-{i}", headers=headers)
-        assert r.status_code == 404
-        assert r.json()["error"] == {
-            "message": f"no such endpoint: GET /v1/nothing-{i}",
-            "type": "not_found_error",
-            "param": None,
-            "code": "not_found",
-        }
-    r = httpx.get(server.url + "/v1/completions", headers=headers)
-    assert r.status_code == 405 and r.headers["allow"] == "POST"
-    assert r.json()["error"]["code"] == "method_not_allowed"
-    text = httpx.get(server.url + "/metrics").text
-    assert "nothing-" not in text
-    after = _metric(server, 'safeserve:requests_total{endpoint="unmatched",status="404"}')
-    assert after - before == 3
-    r = httpx.post(server.admin_url + "/admin/groups/abc/drain")
-    assert r.status_code == 400 and r.json()["error"]["param"] == "group_id", r.text
-    r = httpx.get(server.admin_url + "/admin/nothing")
-    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
 
 
 def test_metrics_exposed(server: Server) -> None:
