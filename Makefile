@@ -26,13 +26,14 @@ INTERP_TESTS ?= tests/kernels tests/engine/test_layouts.py -m "not gpu" \
   -k "interpreter or decode_kernel or store_kernel or prefill_kernel or tp2-ep1-none] or tp2-ep2-alltoall-dp"
 # --min-passed: these tests skip where Triton is missing, and a run that only skipped must fail.
 INTERP_RUN = $(PY) -m pytest -q --min-passed=1 $(INTERP_TESTS)
-# Also without a GPU, beside the interpreter run: every Triton kernel compiled for sm_90 (H100/H200)
-# as the engine launches it, down to a cubin, nothing run (tests/kernels/sm90_compile.py); a kernel
-# the GPU compiler rejects, or a tile over an sm_90 program's shared memory, fails `make test`.
-SM90_LOG := $(VENV)/sm90-compile.log
-SM90_COMPILE = PYTHONPATH=$(abspath $(INTERP_SITE)) $(PY) tests/kernels/sm90_compile.py >$(SM90_LOG) 2>&1
-SM90_REPORT = if wait $$pid; then echo "sm_90 compile: $$(tail -1 $(SM90_LOG))"; \
-	  else cat $(SM90_LOG); echo "sm_90 compile failed (log: $(SM90_LOG))"; rc=1; fi
+# Also without a GPU, beside the tests: every Triton kernel compiled as the engine launches it for
+# sm_90 (H100/H200), sm_80 (A100) and sm_89 (L4/L40S; 99 KiB of shared memory, as sm_86/sm_120),
+# down to a cubin, nothing run (tests/kernels/gpu_compile.py); a kernel the GPU compiler rejects,
+# or a tile over a target's shared memory, fails `make test`.
+COMPILE_LOG := $(VENV)/gpu-compile.log
+GPU_COMPILE = PYTHONPATH=$(abspath $(INTERP_SITE)) $(PY) tests/kernels/gpu_compile.py >$(COMPILE_LOG) 2>&1
+COMPILE_REPORT = if wait $$pid; then grep '^{"target"' $(COMPILE_LOG) | cut -c1-160; \
+	  else cat $(COMPILE_LOG); echo "GPU compile failed (log: $(COMPILE_LOG))"; rc=1; fi
 ifeq ($(HAS_GPU),)
 INTERP_DEPS := $(VENV)/.installed-test $(VENV)/.triton-interpreter
 INTERP_RUN := TRITON_INTERPRET=1 PYTHONPATH=$(abspath $(INTERP_SITE)) $(INTERP_RUN)
@@ -41,7 +42,7 @@ INTERP_DEPS := $(VENV)/.installed-test
 INTERP_RUN := TRITON_INTERPRET=1 $(INTERP_RUN)
 endif
 
-.PHONY: serve test test-interpreter check-sm90 lint format clean install install-test
+.PHONY: serve test test-interpreter check-compile lint format clean install install-test
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -75,14 +76,14 @@ serve: $(VENV)/.installed
 test: $(INTERP_DEPS)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 ifeq ($(HAS_GPU),)
-	@$(SM90_COMPILE) & pid=$$!; $(INTERP_RUN); rc=$$?; $(SM90_REPORT); exit $$rc
+	@$(GPU_COMPILE) & pid=$$!; $(INTERP_RUN); rc=$$?; $(COMPILE_REPORT); exit $$rc
 endif
 
 test-interpreter: $(INTERP_DEPS)
 	$(INTERP_RUN)
 
-check-sm90: $(VENV)/.installed-test $(VENV)/.triton-interpreter
-	@$(SM90_COMPILE) & pid=$$!; rc=0; $(SM90_REPORT); exit $$rc
+check-compile: $(VENV)/.installed-test $(VENV)/.triton-interpreter
+	@$(GPU_COMPILE) & pid=$$!; rc=0; $(COMPILE_REPORT); exit $$rc
 
 lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff format --check $(LINT_PATHS)

@@ -41,11 +41,17 @@ from bench_fused_moe import (  # noqa: E402
 
 from safeserve.kernels import fused_moe as fm  # noqa: E402
 from safeserve.kernels import moe_config as mc  # noqa: E402
+from safeserve.kernels.common import shared_memory_per_program  # noqa: E402
 
 # (mode, BLOCK_M). On Hopper every launch is a programmatic dependent (kernels/common.py), the
 # down kernel included, so no "pdl" variant is searched (its L2-prefetch form never won on an H200).
 Plan = tuple[str, int]
-_SMEM_LIMIT = mc.SMEM_BUDGET
+
+
+def _smem_limit() -> int:
+    """The shared memory a program's tiles may take on the device being tuned (kernels refit
+    configs to it at launch, so a candidate over it would be timed as a smaller one)."""
+    return mc.smem_budget(shared_memory_per_program(torch.device(DEVICE)))
 
 
 def _k(bn: int, bk: int, warps: int, stages: int, group_m: int = 8) -> mc.Config:
@@ -54,7 +60,7 @@ def _k(bn: int, bk: int, warps: int, stages: int, group_m: int = 8) -> mc.Config
 
 def _smem_ok(bm: int, k: mc.Config, n_b: int, elem: int = 2) -> bool:
     per_stage = (bm * k["BLOCK_K"] + n_b * k["BLOCK_K"] * k["BLOCK_N"]) * elem
-    return per_stage * k["num_stages"] <= _SMEM_LIMIT
+    return per_stage * k["num_stages"] <= _smem_limit()
 
 
 def gemm_space(plan: Plan, which: str) -> list[mc.Config]:
@@ -68,9 +74,9 @@ def gemm_space(plan: Plan, which: str) -> list[mc.Config]:
                 for bk in (128, 256)
                 for w in (4, 8)
                 for s in (3, 4, 5)
-                if mc.fit_config(_chunk(_k(bi, bk, w, s, 1), _k(128, 128, 4, 1)), 2, 8)["gemm1"][
-                    "num_stages"
-                ]
+                if mc.fit_config(
+                    _chunk(_k(bi, bk, w, s, 1), _k(128, 128, 4, 1)), 2, 8, _smem_limit()
+                )["gemm1"]["num_stages"]
                 == s
             ]
         return [_k(bn, 128, w, 1, 1) for bn in (64, 128, 256) for w in (2, 4)]

@@ -29,6 +29,40 @@ def use_kernels(t: torch.Tensor) -> bool:
     return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
+# Shared memory one program may opt into: an H100/H200/B200's 227 KiB; an A100's 163 KiB; 99 KiB
+# on the other parts Triton supports (A10, L4, L40S, RTX 30/40/50, GB10). Tiles that need more do
+# not launch there ("out of resources"), so launchers size them by `shared_memory_per_program`.
+HOPPER_SHARED_BYTES = 227 * 1024
+_SHARED_BY_CAPABILITY = {(8, 0): 163 * 1024, (8, 7): 163 * 1024, (9, 0): HOPPER_SHARED_BYTES,
+                         (10, 0): HOPPER_SHARED_BYTES, (10, 3): HOPPER_SHARED_BYTES}  # fmt: skip
+_SMALL_SHARED_BYTES = 99 * 1024
+
+
+def optin_shared_bytes(props: object) -> int:
+    """Shared memory one program may opt into on a device with these `torch.cuda` properties
+    (by compute capability where this torch does not report it)."""
+    shared = getattr(props, "shared_memory_per_block_optin", None)
+    if shared is not None:
+        return int(shared)
+    cap = (getattr(props, "major", 0), getattr(props, "minor", 0))
+    return _SHARED_BY_CAPABILITY.get(cap, _SMALL_SHARED_BYTES)
+
+
+@functools.cache
+def _cuda_shared_bytes(index: int) -> int:
+    return optin_shared_bytes(torch.cuda.get_device_properties(index))
+
+
+def shared_memory_per_program(device: torch.device) -> int:
+    """Bytes of shared memory one program may take on `device`; for CPU tensors (Triton's
+    interpreter, which has no limit) an H100's, so the same tiles run there."""
+    if device.type != "cuda":
+        return HOPPER_SHARED_BYTES
+    return _cuda_shared_bytes(
+        device.index if device.index is not None else torch.cuda.current_device()
+    )
+
+
 # Programmatic dependent launch (Hopper and newer). Every Triton kernel on the engine's paths takes
 # a ``USE_PDL`` constexpr and, when it is set, is launched with ``launch_pdl=True`` and calls
 # `pdl_wait` before it touches memory written by an earlier launch: the kernel's programs are

@@ -51,12 +51,19 @@ from safeserve.kernels.common import (
     HAS_TRITON,
     next_power_of_2,
     pdl_supported,
+    shared_memory_per_program,
     triton,
     use_kernels,
     zeroed_counters,
 )
 from safeserve.kernels.moe_align import moe_align
-from safeserve.kernels.moe_config import PAIR_MODES, Config, fit_config, get_config
+from safeserve.kernels.moe_config import (
+    PAIR_MODES,
+    Config,
+    fit_config,
+    get_config,
+    smem_budget,
+)
 
 if HAS_TRITON:
     from safeserve.kernels.fused_moe_chunk_kernels import _chunk_kernel, _chunk_sum_kernel
@@ -166,7 +173,8 @@ class MoeLaunch:
             config = get_config(
                 self.num_tokens, self.num_experts, self.hidden, self.inter, self.top_k
             )
-        self.cfg = fit_config(config, hidden_states.element_size(), self.top_k)
+        budget = smem_budget(shared_memory_per_program(self.device))
+        self.cfg = fit_config(config, hidden_states.element_size(), self.top_k, budget)
         self.ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
         self.route_w = topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous()
         self.pair_mode = self.cfg["mode"] in PAIR_MODES

@@ -18,9 +18,11 @@ CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
 Config = dict[str, Any]
 
-# Shared memory the pipelined tiles may take: H100/H200 allow 227 KiB per program, and Triton
-# keeps up to num_stages tiles of A and B there (num_stages - 1 on the mma.sync path).
-SMEM_BUDGET = 220 * 1024
+# Shared memory the pipelined tiles may take: what a program may opt into on the device less
+# SMEM_RESERVE (Triton keeps up to num_stages tiles of A and B there, num_stages - 1 on the
+# mma.sync path, and reuses them for the epilogue). SMEM_BUDGET: an H100/H200's (227 KiB).
+SMEM_RESERVE = 7 * 1024
+SMEM_BUDGET = 227 * 1024 - SMEM_RESERVE
 
 
 def default_config(num_tokens: int, num_experts: int, top_k: int) -> Config:
@@ -186,11 +188,13 @@ PAIR_MODES = ("pair",)
 PLANS = (*PAIR_MODES, "chunk", "sorted")
 
 
-def fit_config(cfg: Config, elem_size: int, top_k: int) -> Config:
-    """Shrink a config so its pipelined tiles fit in shared memory for this element size.
+def fit_config(cfg: Config, elem_size: int, top_k: int, budget: int = SMEM_BUDGET) -> Config:
+    """Shrink a config so its pipelined tiles fit in `budget` bytes of shared memory for this
+    element size: fewer stages, then shallower, then narrower tiles.
 
-    Configs are tuned for 2-byte types; float32 inputs double every tile. The pair plan is only
-    valid for top_k <= 64 (the down kernel holds the k ids of a token in registers).
+    Configs are tuned for 2-byte types on an H100/H200; float32 inputs double every tile, and an
+    A100 (163 KiB) or an L40S (99 KiB) has less room (`budget`: see `smem_budget`). The pair plan
+    is only valid for top_k <= 64 (the down kernel holds the k ids of a token in registers).
     """
     out = {**cfg, "gemm1": dict(cfg["gemm1"]), "gemm2": dict(cfg["gemm2"])}
     if out["mode"] in PAIR_MODES and top_k > 64:
@@ -203,24 +207,31 @@ def fit_config(cfg: Config, elem_size: int, top_k: int) -> Config:
     # prefetch (the keys of tables tuned when only the down kernel could be a dependent launch).
     out["pdl_prefetch"] = cfg.get("pdl", False) is True and out["mode"] == "pair"
     if out["mode"] == "chunk":
-        _fit_chunk(out, elem_size)
+        _fit_chunk(out, elem_size, budget)
         return out
     for name, n_b in (("gemm1", 2), ("gemm2", 1)):
         k = out[name]
         while True:
             per_stage = (bm * k["BLOCK_K"] + n_b * k["BLOCK_K"] * k["BLOCK_N"]) * elem_size
-            if per_stage * k["num_stages"] <= SMEM_BUDGET:
+            if per_stage * k["num_stages"] <= budget:
                 break
             if k["num_stages"] > 2:
                 k["num_stages"] -= 1
             elif k["BLOCK_K"] > 32:
                 k["BLOCK_K"] //= 2
+            elif k["BLOCK_N"] > 16:
+                k["BLOCK_N"] //= 2
             else:
                 break
     return out
 
 
-def _fit_chunk(cfg: Config, elem_size: int) -> None:
+def smem_budget(shared_bytes: int) -> int:
+    """The `fit_config` budget of a device whose programs may opt into `shared_bytes`."""
+    return shared_bytes - SMEM_RESERVE
+
+
+def _fit_chunk(cfg: Config, elem_size: int, budget: int) -> None:
     """The chunk plan's one launch pipelines both its loops with gemm1's stages: the gate/up
     tiles (16 x BLOCK_K of x, BLOCK_K x 2 BLOCK_N of w13), then the down tiles (BLOCK_N x
     gemm2.BLOCK_N of w2). The loops run one after the other, so Triton gives both the same
@@ -229,7 +240,7 @@ def _fit_chunk(cfg: Config, elem_size: int) -> None:
     while True:
         up = (16 + 2 * g1["BLOCK_N"]) * g1["BLOCK_K"]
         down = (16 + g2["BLOCK_N"]) * g1["BLOCK_N"]
-        if max(up, down) * elem_size * g1["num_stages"] <= SMEM_BUDGET:
+        if max(up, down) * elem_size * g1["num_stages"] <= budget:
             return
         if g1["num_stages"] > 2:
             g1["num_stages"] -= 1

@@ -25,7 +25,9 @@ import torch.nn.functional as F
 
 from safeserve.kernels.common import (
     HAS_TRITON,
+    HOPPER_SHARED_BYTES,
     next_power_of_2,
+    optin_shared_bytes,
     pdl_supported,
     pdl_wait,
     tl,
@@ -57,18 +59,10 @@ def prefill_config(device: torch.device, max_q_len: int) -> dict[str, int]:
     return dict(next(cfg for lo, cfg in reversed(table) if max_q_len >= lo))
 
 
-# Shared memory a program may opt into on an H100/H200 (227 KiB); B200: 228 KiB.
-_HOPPER_SHARED_BYTES = 227 * 1024
-
-
 @functools.cache
 def _hopper_class(index: int) -> bool:
     props = torch.cuda.get_device_properties(index)
-    shared = getattr(props, "shared_memory_per_block_optin", None)
-    if shared is None:  # a torch without the property: the data-center parts that have it
-        hopper_like = (props.major, props.minor) in ((9, 0), (10, 0), (10, 3))
-        shared = _HOPPER_SHARED_BYTES if hopper_like else 0
-    return props.major >= 9 and shared >= _HOPPER_SHARED_BYTES
+    return props.major >= 9 and optin_shared_bytes(props) >= HOPPER_SHARED_BYTES
 
 
 def prefill_info(q_starts: list[int], q_lens: list[int], context_lens: list[int]) -> torch.Tensor:

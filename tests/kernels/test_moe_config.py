@@ -76,6 +76,37 @@ def test_override_table_must_exist_and_be_a_table(tmp_path: Path, monkeypatch) -
         mc.check_override_table()
 
 
+def _tiles_bytes(cfg: mc.Config, elem: int) -> int:
+    """What `fit_config` counts: the larger GEMM's pipelined tiles (the chunk plan's larger loop)."""
+    g1, g2, bm = cfg["gemm1"], cfg["gemm2"], cfg["BLOCK_M"]
+    if cfg["mode"] == "chunk":
+        up = (16 + 2 * g1["BLOCK_N"]) * g1["BLOCK_K"]
+        down = (16 + g2["BLOCK_N"]) * g1["BLOCK_N"]
+        return max(up, down) * elem * g1["num_stages"]
+    per = [(bm * k["BLOCK_K"] + n_b * k["BLOCK_K"] * k["BLOCK_N"]) * elem * k["num_stages"]
+           for k, n_b in ((g1, 2), (g2, 1))]  # fmt: skip
+    return max(per)
+
+
+def test_fit_config_fits_every_device_class() -> None:
+    """Every shipped entry and every heuristic config, in 2- and 4-byte types, fits the shared
+    memory of an H100/H200 (227 KiB), an A100 (163 KiB) and an L40S/RTX 4090/RTX 5090 (99 KiB)
+    once fitted; where it already fit, it is unchanged. (tests/kernels/gpu_compile.py compiles
+    them for those targets and checks what Triton allocates.)"""
+    configs = [mc.default_config(t, e, 8) for t in (1, 4, 8, 64, 512, 2048, 4096) for e in (8, 128)]
+    for path in sorted(mc.CONFIG_DIR.glob("*.json")):
+        configs += list(mc.load_config_table(str(path)).values())
+    for shared in (227 * 1024, 163 * 1024, 99 * 1024):
+        budget = mc.smem_budget(shared)
+        for cfg in configs:
+            for elem in (2, 4):
+                fitted = mc.fit_config(cfg, elem, 8, budget)
+                assert _tiles_bytes(fitted, elem) <= budget, (shared, elem, cfg, fitted)
+                if _tiles_bytes({**cfg, "BLOCK_M": fitted["BLOCK_M"]}, elem) <= budget:
+                    assert fitted["gemm1"] == cfg["gemm1"] and fitted["gemm2"] == cfg["gemm2"]
+    assert mc.smem_budget(227 * 1024) == mc.SMEM_BUDGET  # the H100/H200 budget as tuned
+
+
 def test_fit_config_shrinks_for_fp32() -> None:
     cfg = {
         "mode": "sorted",

@@ -11,7 +11,7 @@ import torch
 
 from safeserve.engine.attention import AttentionMetadata, attend
 from safeserve.kernels import paged_prefill as pp
-from safeserve.kernels.common import HAS_TRITON
+from safeserve.kernels.common import HAS_TRITON, optin_shared_bytes, shared_memory_per_program
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_CUDA = torch.cuda.is_available()
@@ -145,6 +145,14 @@ def test_large_tiles_only_where_hopper_shared_memory_is(monkeypatch) -> None:  #
         props = SimpleNamespace(major=major, minor=minor)
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i, p=props: p)
         assert pp._hopper_class.__wrapped__(0) is want, (major, minor)
+    # the shared memory the launchers size tiles by: reported, else known by capability
+    kib = 1024
+    assert optin_shared_bytes(SimpleNamespace(major=8, minor=0)) == 163 * kib  # A100
+    assert optin_shared_bytes(SimpleNamespace(major=8, minor=9)) == 99 * kib  # L40S
+    assert optin_shared_bytes(SimpleNamespace(major=9, minor=0)) == 227 * kib
+    reported = SimpleNamespace(major=8, minor=0, shared_memory_per_block_optin=101376)
+    assert optin_shared_bytes(reported) == 101376
+    assert shared_memory_per_program(torch.device("cpu")) == 227 * kib  # the interpreter's
 
 
 @needs_kernel

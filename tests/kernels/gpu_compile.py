@@ -1,33 +1,49 @@
-"""Compile every Triton kernel, as the engine launches it, for an H100/H200 (sm_90) on a machine
-without a GPU: the CPU CI's check that the kernels build for the GPU.
+"""Compile every Triton kernel, as the engine launches it, for the GPUs it serves on, on a machine
+without a GPU: the CPU CI's check that the kernels build for each target and fit its shared memory.
 
 Triton's interpreter runs the kernels' logic on CPU but never compiles them, so an error that
-only the compiler sees (a type it cannot lower, a tile that does not fit shared memory) would
-otherwise surface only on a GPU machine. Here the real entry points run on CPU tensors with
-Triton's driver replaced by a compile-only target: every launch compiles through Triton's whole
-pipeline to a cubin (ptxas included), with the constexprs and tiles the launchers compute, and
-nothing runs. The fused MoE is compiled at every entry of the shipped H200 tile table.
+only the compiler sees (a type it cannot lower, an instruction the target lacks, a tile that does
+not fit shared memory) would otherwise surface only on a GPU machine of that kind. Here the real
+entry points run on CPU tensors with Triton's driver replaced by a compile-only target: every
+launch compiles through Triton's whole pipeline to a cubin (ptxas included), with the
+constexprs, tiles and launch options the launchers compute for that target (dependent launches
+from sm_90 on; tiles fitted to the target's shared memory), and nothing runs.
 
-Run as a script (tests/kernels/test_sm90_compile.py does, in a process of its own, since it
-replaces process-wide Triton state); prints one JSON line per compiled kernel and exits 1 if
-any failed to compile or needs more shared memory than an sm_90 program has.
+Targets (TARGETS): sm_90 (H100/H200: the fused MoE at every entry of the shipped H200 tile table,
+and the heuristic configs any other device gets), sm_80 (A100, 163 KiB a program) and sm_89
+(L4/L40S/RTX 40, 99 KiB; what sm_86 and sm_120 parts offer too).
+
+    python3 tests/kernels/gpu_compile.py            # every target, each in a process of its own
+    python3 tests/kernels/gpu_compile.py sm80       # one target, in this process
+
+`make test` runs it on machines without a GPU. Prints one JSON line per compiled kernel and one
+summary line per target; exits 1 if any kernel failed to compile or needs more shared memory
+than a program of its target may take.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
+import time
 import traceback
 from pathlib import Path
 
 import torch
 
-# Shared memory one program may take on sm_90 (227 KiB).
-SM90_SHARED_BYTES = 232448
+# target -> (compute capability, shared memory one program may opt into, the parts it stands for)
+TARGETS: dict[str, tuple[int, int, str]] = {
+    "sm90": (90, 227 * 1024, "H100/H200"),
+    "sm80": (80, 163 * 1024, "A100"),
+    "sm89": (89, 99 * 1024, "L4/L40S/RTX 40 (99 KiB: also sm_86, sm_120)"),
+}
 
 
-def _install_compile_only_target() -> list[dict]:
-    """Triton's active driver becomes an sm_90 target that compiles and never launches."""
+def _install_compile_only_target(capability: int) -> list[dict]:
+    """Triton's active driver becomes a target of this compute capability that compiles and
+    never launches."""
     from triton.backends.compiler import GPUTarget
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction
@@ -40,7 +56,7 @@ def _install_compile_only_target() -> list[dict]:
             return 0
 
         def get_current_target(self) -> GPUTarget:
-            return GPUTarget("cuda", 90, 32)
+            return GPUTarget("cuda", capability, 32)
 
         def get_active_torch_device(self) -> torch.device:
             return torch.device("cpu")
@@ -67,9 +83,9 @@ def _install_compile_only_target() -> list[dict]:
     return compiled
 
 
-def _kernel_paths_on() -> None:
-    """The entry points of every module of `safeserve.kernels` take the kernel path (and
-    dependent launches, as on Hopper) for CPU tensors."""
+def _kernel_paths_on(capability: int, shared: int) -> None:
+    """The entry points of every module of `safeserve.kernels` take the kernel path for CPU
+    tensors, with the target's dependent launches and shared memory."""
     import importlib
     import pkgutil
 
@@ -80,10 +96,12 @@ def _kernel_paths_on() -> None:
         if hasattr(mod, "use_kernels"):
             mod.use_kernels = lambda t: True
         if hasattr(mod, "pdl_supported"):
-            mod.pdl_supported = lambda device: True
+            mod.pdl_supported = lambda device: capability >= 90
+        if hasattr(mod, "shared_memory_per_program"):
+            mod.shared_memory_per_program = lambda device: shared
 
 
-def _launch_everything() -> None:
+def _launch_everything(capability: int, shared: int) -> None:
     from safeserve.kernels import fused_moe as fm
     from safeserve.kernels import linear as lin
     from safeserve.kernels import moe_config as mc
@@ -93,6 +111,7 @@ def _launch_everything() -> None:
     from safeserve.kernels import qkv_rope as qr
     from safeserve.kernels import router_topk as rt
     from safeserve.kernels import topk_softmax as tk
+    from safeserve.kernels.common import HOPPER_SHARED_BYTES
     from safeserve.kernels.moe_align import moe_align
 
     e, h, inter, k, heads, kv_heads, d = 128, 2048, 768, 8, 32, 4, 128
@@ -121,7 +140,8 @@ def _launch_everything() -> None:
         out = torch.empty(40, heads, d, dtype=dtype)
         info = torch.tensor([[40, 0, 33], [7, 33, 7]], dtype=torch.int32)
         tables = torch.zeros(2, 4, dtype=torch.int32)
-        for _, cfg in pp.PREFILL_CONFIGS["sm90"]:  # the tiles an sm_90 device launches
+        hopper = capability >= 90 and shared >= HOPPER_SHARED_BYTES
+        for _, cfg in pp.PREFILL_CONFIGS["sm90" if hopper else "default"]:  # the class's tiles
             pp.paged_prefill(out, *caches, tables, info, 33, 16, 0.1, out, cfg)
         for batch, width in ((1, 4), (64, 256)):  # one split; split contexts, merged in-kernel
             q = torch.empty(batch, heads, d, dtype=dtype)
@@ -172,45 +192,93 @@ def _launch_everything() -> None:
     )
     for pairs in (64, 5000):  # one program; count + scatter
         moe_align(torch.zeros(pairs, 1, dtype=torch.int32), e, 64)
-    # The fused MoE at every entry of the shipped H200 table, with its own token count.
-    table = mc.load_config_table(
-        str(mc.CONFIG_DIR / mc.config_file_name(e, h, inter, "NVIDIA H200"))
-    )
-    assert table, "no shipped H200 table"
     w13 = torch.empty(e, 2 * inter, h, dtype=bf16)
     w2 = torch.empty(e, h, inter, dtype=bf16)
-    for tokens, cfg in sorted(table.items()):
-        ids = torch.zeros(tokens, k, dtype=torch.int32)
-        weights = torch.empty(tokens, k, dtype=torch.float32)
-        fm.fused_moe(torch.empty(tokens, h, dtype=bf16), w13, w2, weights, ids, config=cfg)
-    # the pair plan's optional L2 prefetch of the down weights before its wait ("pdl": true)
-    ids = torch.zeros(1, k, dtype=torch.int32)
-    pair = {**table[min(table)], "pdl": True}
-    fm.fused_moe(torch.empty(1, h, dtype=bf16), w13, w2, torch.empty(1, k), ids, config=pair)
-    # float32 (the engine's correctness runs on CUDA): the heuristic configs, tiles shrunk to fit
-    w13f, w2f = w13[:16, :, :256].float(), w2[:16, :256, :].float()
-    for tokens in (1, 64):
-        ids = torch.zeros(tokens, 4, dtype=torch.int32)
-        x = torch.empty(tokens, 256)
-        fm.fused_moe(x, w13f.contiguous(), w2f.contiguous(), torch.empty(tokens, 4), ids)
+    if capability == 90:  # the fused MoE at every entry of the shipped H200 table
+        table = mc.load_config_table(
+            str(mc.CONFIG_DIR / mc.config_file_name(e, h, inter, "NVIDIA H200"))
+        )
+        assert table, "no shipped H200 table"
+        for tokens, cfg in sorted(table.items()):
+            ids = torch.zeros(tokens, k, dtype=torch.int32)
+            weights = torch.empty(tokens, k, dtype=torch.float32)
+            fm.fused_moe(torch.empty(tokens, h, dtype=bf16), w13, w2, weights, ids, config=cfg)
+        # the pair plan's optional L2 prefetch of the down weights before its wait ("pdl": true)
+        ids = torch.zeros(1, k, dtype=torch.int32)
+        pair = {**table[min(table)], "pdl": True}
+        fm.fused_moe(torch.empty(1, h, dtype=bf16), w13, w2, torch.empty(1, k), ids, config=pair)
+    # Every device without a table of its own (and float32, the engine's correctness runs): the
+    # heuristic configs, fitted to the target's shared memory, at token counts that reach each
+    # of its branches (the pair plan; 16, 32, 64 and 128 rows per expert tile).
+    for dtype in (bf16, torch.float32):
+        w13d = torch.empty(e, 2 * inter, h, dtype=dtype)
+        w2d = torch.empty(e, h, inter, dtype=dtype)
+        for tokens in (1, 8, 512, 2048, 4096):
+            ids = torch.zeros(tokens, k, dtype=torch.int32)
+            x = torch.empty(tokens, h, dtype=dtype)
+            fm.fused_moe(x, w13d, w2d, torch.empty(tokens, k), ids)
 
 
-def main() -> int:
-    compiled = _install_compile_only_target()
-    _kernel_paths_on()
+def run_target(name: str) -> int:
+    capability, shared, parts = TARGETS[name]
+    compiled = _install_compile_only_target(capability)
+    _kernel_paths_on(capability, shared)
+    start = time.monotonic()
     try:
-        _launch_everything()
+        _launch_everything(capability, shared)
     except Exception:  # noqa: BLE001 - report the compiler's message and fail
         traceback.print_exc()
-        print(json.dumps({"error": "compile failed", "compiled_before": len(compiled)}))
+        print(
+            json.dumps(
+                {"target": name, "error": "compile failed", "compiled_before": len(compiled)}
+            )
+        )
         return 1
-    bad = [c for c in compiled if c["shared"] > SM90_SHARED_BYTES or not c["has_cubin"]]
+    bad = [c for c in compiled if c["shared"] > shared or not c["has_cubin"]]
     for c in compiled:
         print(json.dumps(c))
-    print(json.dumps({"compiled": len(compiled), "over_shared_memory_or_no_cubin": bad}))
+    summary = {
+        "target": name,
+        "parts": parts,
+        "shared_limit": shared,
+        "compiled": len(compiled),
+        "max_shared": max(c["shared"] for c in compiled),
+        "seconds": round(time.monotonic() - start, 1),
+        "over_shared_memory_or_no_cubin": bad,
+    }
+    print(json.dumps(summary))
     return 1 if bad else 0
+
+
+def main(argv: list[str]) -> int:
+    unknown = [a for a in argv if a not in TARGETS]
+    if unknown:
+        print(f"unknown targets {unknown}; known: {', '.join(TARGETS)}", file=sys.stderr)
+        return 2
+    if len(argv) == 1:
+        return run_target(argv[0])
+    # each target in a process of its own (Triton's driver and kernel caches are process-wide),
+    # side by side: most of the time goes to single-threaded compiles
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, __file__, name],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=os.environ.copy(),
+        )
+        for name in argv or list(TARGETS)
+    }
+    rc = 0
+    for name, proc in procs.items():
+        out, _ = proc.communicate()
+        sys.stdout.write(out)
+        if proc.returncode != 0:
+            print(f"{name}: failed (exit {proc.returncode})")
+            rc = 1
+    return rc
 
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))
