@@ -301,6 +301,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"T={t}: best {us:.1f} us err {err:.1e} {cfg}", flush=True)
     meta = {
         "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
+        # devices of the same compute capability without a table of their own use this one
+        "capability": "{}.{}".format(*torch.cuda.get_device_capability())
+        if DEVICE == "cuda"
+        else None,
         "torch": torch.__version__,
         "triton": fm.triton.__version__,
         "date": time.strftime("%Y-%m-%d"),

@@ -2,7 +2,9 @@
 untuned shapes, and the fitting of a config to shared memory and element size.
 
 A table ``configs/E{E}_H{H}_I{I}_{device}.json`` maps a token count to a config (the launch plan,
-``"mode"``, and the tiles of each GEMM); the entry of the nearest token count is used.
+``"mode"``, and the tiles of each GEMM); the entry of the nearest token count is used. A device
+without a table of its own uses one of the same shape tuned on a device of its compute capability
+(``meta.capability``), else the heuristic.
 ``SAFESERVE_FUSED_MOE_CONFIG`` names a table to use instead.
 """
 
@@ -10,11 +12,13 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+_log = logging.getLogger(__name__)
 
 Config = dict[str, Any]
 
@@ -160,12 +164,19 @@ def get_config(
     top_k: int,
     device_name: str | None = None,
     config_dir: Path | str | None = None,
+    capability: str | None = None,
 ) -> Config:
-    """Tuned config for this shape/device, nearest by token count; else `default_config`."""
+    """Tuned config for this shape/device, nearest by token count; else the table of this shape
+    tuned on another device of the same compute capability (`capability`, "9.0": an H100 takes
+    the H200's tiles); else `default_config`. Without `device_name`, the current CUDA device."""
     if device_name is None:
         import torch  # here only: `serve` checks a table in its frontend, which has no torch
 
-        device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        if torch.cuda.is_available():
+            device_name = torch.cuda.get_device_name()
+            capability = capability or "{}.{}".format(*torch.cuda.get_device_capability())
+        else:
+            device_name = "cpu"
     directory = Path(config_dir) if config_dir is not None else CONFIG_DIR
     env_file = os.environ.get("SAFESERVE_FUSED_MOE_CONFIG")
     path = (
@@ -174,9 +185,38 @@ def get_config(
         else directory / config_file_name(num_experts, hidden, inter, device_name)
     )
     table = load_config_table(str(path))
+    if table is None and not env_file and capability:
+        table = same_capability_table(str(directory), num_experts, hidden, inter, capability)
     if not table:
         return default_config(num_tokens, num_experts, top_k)
     return nearest_config(table, num_tokens)
+
+
+@functools.lru_cache(maxsize=64)
+def same_capability_table(
+    directory: str, num_experts: int, hidden: int, inter: int, capability: str
+) -> dict[int, Config] | None:
+    """The table of this layer shape tuned on a device of this compute capability (its
+    ``meta.capability``), for a device that has none of its own: the tiles suit the same SMs
+    and shared memory (an H100 and an H200 differ in memory bandwidth only). The first such
+    file by name; None if there is none."""
+    prefix = config_file_name(num_experts, hidden, inter, "")
+    for path in sorted(Path(directory).glob(f"{prefix.removesuffix('.json')}*.json")):
+        try:
+            meta = json.loads(path.read_text()).get("meta", {})
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(meta, dict) and str(meta.get("capability")) == capability:
+            table = load_config_table(str(path))
+            _log.info(
+                "fused MoE: no tile table for this device; using %s (tuned on %s, compute "
+                "capability %s, as this device)",
+                path.name,
+                meta.get("device", "?"),
+                capability,
+            )
+            return table
+    return None
 
 
 # Plans with one row per (token, slot) pair and no sort; valid for top_k <= 64.

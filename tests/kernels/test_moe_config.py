@@ -76,6 +76,45 @@ def test_override_table_must_exist_and_be_a_table(tmp_path: Path, monkeypatch) -
         mc.check_override_table()
 
 
+def test_a_device_without_a_table_takes_one_of_its_compute_capability(tmp_path: Path) -> None:
+    """An H100 (no table of its own) takes the tiles tuned on an H200 (same SMs, compute
+    capability 9.0); an A100 (8.0) and a device of unknown capability get the heuristic; the
+    device's own table, then SAFESERVE_FUSED_MOE_CONFIG, still come first."""
+    entry = {**mc.default_config(4096, 64, 4), "tuned_us": 1.0}
+    (tmp_path / mc.config_file_name(64, 512, 256, "NVIDIA H200")).write_text(
+        json.dumps(
+            {"meta": {"device": "NVIDIA H200", "capability": "9.0"}, "configs": {"8": entry}}
+        )
+    )
+    other = {**mc.default_config(8, 64, 4), "tuned_us": 2.0}  # another shape: never taken
+    (tmp_path / mc.config_file_name(64, 512, 128, "NVIDIA H200")).write_text(
+        json.dumps({"meta": {"capability": "9.0"}, "configs": {"8": other}})
+    )
+    args = (8, 64, 512, 256, 4)
+    h100 = mc.get_config(*args, "NVIDIA H100 80GB HBM3", tmp_path, capability="9.0")
+    assert h100 == entry
+    assert mc.get_config(*args, "NVIDIA A100-SXM4-80GB", tmp_path, "8.0") == mc.default_config(
+        8, 64, 4
+    )
+    assert mc.get_config(*args, "NVIDIA H100 PCIe", tmp_path) == mc.default_config(8, 64, 4)
+    assert mc.get_config(8, 64, 512, 512, 4, "NVIDIA H100", tmp_path, "9.0") == mc.default_config(
+        8, 64, 4
+    )
+    own = {**entry, "tuned_us": 3.0}
+    (tmp_path / mc.config_file_name(64, 512, 256, "NVIDIA H100 PCIe")).write_text(
+        json.dumps({"configs": {"8": own}})
+    )
+    mc.load_config_table.cache_clear()  # lookups are cached per path, the missing file's too
+    assert mc.get_config(*args, "NVIDIA H100 PCIe", tmp_path, "9.0") == own
+
+
+def test_shipped_tables_say_their_compute_capability() -> None:
+    for path in sorted(mc.CONFIG_DIR.glob("*.json")):
+        meta = json.loads(path.read_text())["meta"]
+        major, minor = meta["capability"].split(".")
+        assert major.isdigit() and minor.isdigit(), path
+
+
 def _tiles_bytes(cfg: mc.Config, elem: int) -> int:
     """What `fit_config` counts: the larger GEMM's pipelined tiles (the chunk plan's larger loop)."""
     g1, g2, bm = cfg["gemm1"], cfg["gemm2"], cfg["BLOCK_M"]
