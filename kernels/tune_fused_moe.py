@@ -59,8 +59,7 @@ def _k(bn: int, bk: int, warps: int, stages: int, group_m: int = 8) -> mc.Config
 
 
 def _smem_ok(bm: int, k: mc.Config, n_b: int, elem: int = 2) -> bool:
-    per_stage = (bm * k["BLOCK_K"] + n_b * k["BLOCK_K"] * k["BLOCK_N"]) * elem
-    return per_stage * k["num_stages"] <= _smem_limit()
+    return mc.gemm_tiles_bytes(bm, k, n_b, elem) <= _smem_limit()
 
 
 def gemm_space(plan: Plan, which: str) -> list[mc.Config]:

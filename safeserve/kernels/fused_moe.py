@@ -57,13 +57,7 @@ from safeserve.kernels.common import (
     zeroed_counters,
 )
 from safeserve.kernels.moe_align import moe_align
-from safeserve.kernels.moe_config import (
-    PAIR_MODES,
-    Config,
-    fit_config,
-    get_config,
-    smem_budget,
-)
+from safeserve.kernels.moe_config import PAIR_MODES, Config, fit_config, get_config, smem_budget
 
 if HAS_TRITON:
     from safeserve.kernels.fused_moe_chunk_kernels import _chunk_kernel, _chunk_sum_kernel

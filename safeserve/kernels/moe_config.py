@@ -173,8 +173,8 @@ def get_config(
         import torch  # here only: `serve` checks a table in its frontend, which has no torch
 
         if torch.cuda.is_available():
-            device_name = torch.cuda.get_device_name()
-            capability = capability or "{}.{}".format(*torch.cuda.get_device_capability())
+            device_name, own = _cuda_identity(torch.cuda.current_device())
+            capability = capability or own
         else:
             device_name = "cpu"
     directory = Path(config_dir) if config_dir is not None else CONFIG_DIR
@@ -190,6 +190,17 @@ def get_config(
     if not table:
         return default_config(num_tokens, num_experts, top_k)
     return nearest_config(table, num_tokens)
+
+
+@functools.cache
+def _cuda_identity(index: int) -> tuple[str, str]:
+    """(name, "major.minor") of a CUDA device, asked once: `get_config` runs at every eager
+    MoE call."""
+    import torch
+
+    return torch.cuda.get_device_name(index), "{}.{}".format(
+        *torch.cuda.get_device_capability(index)
+    )
 
 
 @functools.lru_cache(maxsize=64)
@@ -252,8 +263,7 @@ def fit_config(cfg: Config, elem_size: int, top_k: int, budget: int = SMEM_BUDGE
     for name, n_b in (("gemm1", 2), ("gemm2", 1)):
         k = out[name]
         while True:
-            per_stage = (bm * k["BLOCK_K"] + n_b * k["BLOCK_K"] * k["BLOCK_N"]) * elem_size
-            if per_stage * k["num_stages"] <= budget:
+            if gemm_tiles_bytes(bm, k, n_b, elem_size) <= budget:
                 break
             if k["num_stages"] > 2:
                 k["num_stages"] -= 1
@@ -271,6 +281,31 @@ def smem_budget(shared_bytes: int) -> int:
     return shared_bytes - SMEM_RESERVE
 
 
+def gemm_tiles_bytes(block_m: int, gemm: Config, n_b: int, elem_size: int) -> int:
+    """Shared memory counted for one GEMM's pipelined tiles: num_stages x (BLOCK_M x BLOCK_K of
+    A + n_b x BLOCK_K x BLOCK_N of B; n_b = 2 for gate/up, whose B tile holds both)."""
+    per_stage = block_m * gemm["BLOCK_K"] + n_b * gemm["BLOCK_K"] * gemm["BLOCK_N"]
+    return per_stage * elem_size * gemm["num_stages"]
+
+
+def _chunk_tiles_bytes(cfg: Config, elem_size: int) -> int:
+    g1, g2 = cfg["gemm1"], cfg["gemm2"]
+    up = (16 + 2 * g1["BLOCK_N"]) * g1["BLOCK_K"]
+    down = (16 + g2["BLOCK_N"]) * g1["BLOCK_N"]
+    return max(up, down) * elem_size * g1["num_stages"]
+
+
+def tiles_bytes(cfg: Config, elem_size: int) -> int:
+    """Shared memory counted for a config (as `fit_config` returns it): its largest tile set."""
+    if cfg["mode"] == "chunk":
+        return _chunk_tiles_bytes(cfg, elem_size)
+    bm = cfg["BLOCK_M"]
+    return max(
+        gemm_tiles_bytes(bm, cfg["gemm1"], 2, elem_size),
+        gemm_tiles_bytes(bm, cfg["gemm2"], 1, elem_size),
+    )
+
+
 def _fit_chunk(cfg: Config, elem_size: int, budget: int) -> None:
     """The chunk plan's one launch pipelines both its loops with gemm1's stages: the gate/up
     tiles (16 x BLOCK_K of x, BLOCK_K x 2 BLOCK_N of w13), then the down tiles (BLOCK_N x
@@ -278,9 +313,7 @@ def _fit_chunk(cfg: Config, elem_size: int, budget: int) -> None:
     shared memory: the larger must fit."""
     g1, g2 = cfg["gemm1"], cfg["gemm2"]
     while True:
-        up = (16 + 2 * g1["BLOCK_N"]) * g1["BLOCK_K"]
-        down = (16 + g2["BLOCK_N"]) * g1["BLOCK_N"]
-        if max(up, down) * elem_size * g1["num_stages"] <= budget:
+        if _chunk_tiles_bytes(cfg, elem_size) <= budget:
             return
         if g1["num_stages"] > 2:
             g1["num_stages"] -= 1

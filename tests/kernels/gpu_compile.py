@@ -27,7 +27,6 @@ than a program of its target may take.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -269,7 +268,6 @@ def main(argv: list[str]) -> int:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env=os.environ.copy(),
         )
         for name in argv or DEFAULT_TARGETS
     }

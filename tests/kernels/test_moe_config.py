@@ -115,18 +115,6 @@ def test_shipped_tables_say_their_compute_capability() -> None:
         assert major.isdigit() and minor.isdigit(), path
 
 
-def _tiles_bytes(cfg: mc.Config, elem: int) -> int:
-    """What `fit_config` counts: the larger GEMM's pipelined tiles (the chunk plan's larger loop)."""
-    g1, g2, bm = cfg["gemm1"], cfg["gemm2"], cfg["BLOCK_M"]
-    if cfg["mode"] == "chunk":
-        up = (16 + 2 * g1["BLOCK_N"]) * g1["BLOCK_K"]
-        down = (16 + g2["BLOCK_N"]) * g1["BLOCK_N"]
-        return max(up, down) * elem * g1["num_stages"]
-    per = [(bm * k["BLOCK_K"] + n_b * k["BLOCK_K"] * k["BLOCK_N"]) * elem * k["num_stages"]
-           for k, n_b in ((g1, 2), (g2, 1))]  # fmt: skip
-    return max(per)
-
-
 def test_fit_config_fits_every_device_class() -> None:
     """Every shipped entry and every heuristic config, in 2- and 4-byte types, fits the shared
     memory of an H100/H200 (227 KiB), an A100 (163 KiB) and an L40S/RTX 4090/RTX 5090 (99 KiB)
@@ -140,8 +128,8 @@ def test_fit_config_fits_every_device_class() -> None:
         for cfg in configs:
             for elem in (2, 4):
                 fitted = mc.fit_config(cfg, elem, 8, budget)
-                assert _tiles_bytes(fitted, elem) <= budget, (shared, elem, cfg, fitted)
-                if _tiles_bytes({**cfg, "BLOCK_M": fitted["BLOCK_M"]}, elem) <= budget:
+                assert mc.tiles_bytes(fitted, elem) <= budget, (shared, elem, cfg, fitted)
+                if mc.tiles_bytes({**cfg, "BLOCK_M": fitted["BLOCK_M"]}, elem) <= budget:
                     assert fitted["gemm1"] == cfg["gemm1"] and fitted["gemm2"] == cfg["gemm2"]
     assert mc.smem_budget(227 * 1024) == mc.SMEM_BUDGET  # the H100/H200 budget as tuned
 
