@@ -11,6 +11,13 @@ from dataclasses import dataclass, field
 # Heartbeat phases, in the order a step goes through them.
 PHASES = ("idle", "schedule", "attention", "dispatch", "experts", "combine", "sample")
 
+# Temperatures below this sample greedily (dividing logits by a smaller one overflows them).
+GREEDY_TEMPERATURE_EPS = 1e-5
+
+# Request-borne faults (fault injection only): "raise" makes every rank of the group raise when
+# a step holds the request; "exit" makes the rank that computes it exit hard (os._exit).
+REQUEST_FAULTS = ("raise", "exit")
+
 
 @dataclass
 class SamplingParams:
@@ -24,10 +31,16 @@ class SamplingParams:
     # A continuation (a migrated request) already produced this many tokens elsewhere: seeded
     # sampling draws output i as output `output_offset + i`, so the stream goes on unchanged.
     output_offset: int = 0
+    # Log-probabilities (of the model's unmodified distribution): None = none; n >= 0 = the
+    # sampled token's and the n most likely tokens' of every sampled token.
+    logprobs: int | None = None
+    # Same for every prompt token (`echo` with `logprobs`): None = none.
+    prompt_logprobs: int | None = None
+    fault: str | None = None  # one of REQUEST_FAULTS (only with --enable-fault-injection)
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE_EPS or self.top_k == 1
 
 
 # -- frontend -> group leader -----------------------------------------------------------------
@@ -65,12 +78,28 @@ class InjectFault:
 
 # -- group -> frontend ------------------------------------------------------------------------
 @dataclass
+class TokenLogprob:
+    """One position's log-probability: the token there, its logprob, and the most likely
+    tokens with theirs (most likely first)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
 class RequestOutput:
     rid: str
     new_token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # tokens generated so far, the stop token included
+    # With finish_reason "error": what failed, one line (the request alone fails; the group
+    # goes on serving).
+    error: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per new_token_ids entry, when asked
+    # When asked, once (with the request's first output): one per prompt token, the first None.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass

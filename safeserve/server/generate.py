@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from safeserve.config import ServerArgs
-from safeserve.messages import RequestOutput, SamplingParams
+from safeserve.messages import RequestOutput, SamplingParams, TokenLogprob
 from safeserve.model.tokenizer import Tokenizer
 from safeserve.server.detokenizer import IncrementalDetokenizer
 from safeserve.server.errors import APIError, unavailable
@@ -33,6 +33,7 @@ class Delta:
     text: str
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when asked
 
 
 class _Refailed(Exception):
@@ -56,6 +57,8 @@ class Generation:
         self.detok = IncrementalDetokenizer(gen.tokenizer, stop)
         self.num_prompt_tokens = len(prompt_ids)
         self.produced: list[int] = []  # every token received, in order (a continuation's prefix)
+        # The prompt's logprobs when asked (`echo` with `logprobs`), from the first output.
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
         self.base_outputs = 0  # outputs counted by earlier incarnations (stop tokens included)
         self.num_output_tokens = 0
         self.attempts = 1
@@ -94,6 +97,8 @@ class Generation:
                 )
                 self.num_output_tokens = max(self.num_output_tokens, total)
                 self.produced.extend(out.new_token_ids)
+                if out.prompt_logprobs is not None and self.prompt_logprobs is None:
+                    self.prompt_logprobs = out.prompt_logprobs
                 finish = out.finish_reason
                 text = self.detok.add(out.new_token_ids, finished=finish is not None)
                 if self.detok.stopped and finish is None:
@@ -102,7 +107,7 @@ class Generation:
                 if finish is not None:
                     self.finished = True
                     self._observe_end(now)
-                yield Delta(text, list(out.new_token_ids), finish)
+                yield Delta(text, list(out.new_token_ids), finish, out.logprobs)
         except (APIError, asyncio.CancelledError, GeneratorExit):
             raise
         except Exception as e:  # a bug, not a fault: count it, answer cleanly
