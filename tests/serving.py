@@ -78,6 +78,21 @@ def start_server(
     raise RuntimeError(f"server not ready after {timeout} s:\n{log.read_text()}")
 
 
+def rank_processes(server_pid: int) -> list:
+    """The rank processes of a server (`safeserve: group G rank R` in `ps`), as psutil
+    processes."""
+    import psutil
+
+    ranks = []
+    for p in psutil.Process(server_pid).children(recursive=True):
+        try:
+            if " ".join(p.cmdline()).startswith("safeserve: group "):
+                ranks.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return ranks
+
+
 def stop_server(proc: subprocess.Popen) -> None:
     """Stops the server and every process of its session (the group's ranks too)."""
     try:

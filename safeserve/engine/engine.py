@@ -14,11 +14,21 @@ from collections.abc import Callable
 import torch
 
 from safeserve.config import ServerArgs
+from safeserve.engine.isolation import bisect_step
 from safeserve.engine.kv_cache import BlockAllocator
 from safeserve.engine.model_runner import ModelRunner
+from safeserve.engine.outcome import (
+    RankResult,
+    SeqResult,
+    StepError,
+    StepFailed,
+    describe,
+    is_fatal,
+    per_request,
+)
 from safeserve.engine.plan import Faults, SeqPlan, StepPlan, TableReceiver, TableSender
 from safeserve.engine.request import Request
-from safeserve.engine.scheduler import Scheduler, SchedulerOutput
+from safeserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from safeserve.guards.prefill_sizing import PrefillSizer, PrefillSizing
 from safeserve.messages import EngineStats, InjectFault, RequestOutput, SamplingParams
 from safeserve.model.tokenizer import load_tokenizer
@@ -139,14 +149,16 @@ class Engine:
                 self.add_request(f"__warmup_{n}_{r}__", prompt, params)
             try:
                 while self.has_work():
-                    self.step()
+                    # A step's exception ends its requests with an error output (isolation.py)
+                    # rather than raising: at start-up that is the warm-up failing.
+                    for o in self.step():
+                        if o.finish_reason == "error":
+                            raise _WarmUpStepFailed(o.error or "unknown error")
             except torch.cuda.OutOfMemoryError as e:
-                raise RuntimeError(
-                    f"start-up warm-up: a {n}-token prefill does not fit in device memory; lower "
-                    f"--mem-fraction-static (leaves more for activations) or "
-                    f"--max-num-batched-tokens ({e})"
-                ) from e
+                raise RuntimeError(_oom_message(n, str(e))) from e
             except Exception as e:
+                if "OutOfMemoryError" in str(e):  # as an isolated step's error output says it
+                    raise RuntimeError(_oom_message(n, str(e))) from e
                 raise RuntimeError(f"start-up warm-up failed at a {n}-token prefill: {e}") from e
             if len(sizes) > 1:
                 logger.info("warm-up: %d-token prefill in %.2f s", n, time.perf_counter() - t0)
@@ -165,7 +177,10 @@ class Engine:
             raise ValueError("prompt plus max_tokens exceeds the context length")
         if max(prompt_ids) >= self.config.vocab_size or min(prompt_ids) < 0:
             raise ValueError("prompt holds token ids outside the vocabulary")
-        self.scheduler.add(Request(rid, list(prompt_ids), params))
+        req = Request(rid, list(prompt_ids), params)
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None]  # the first prompt token has no logprob
+        self.scheduler.add(req)
 
     def abort_request(self, rid: str) -> bool:
         return self.scheduler.abort(rid) is not None
@@ -185,48 +200,105 @@ class Engine:
 
     # -- one step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedules and runs one step. An exception of the step that every rank got past
+        (outcome.py) stays with the request(s) it comes from (isolation.py): they end with an
+        error output and the others go on; an exception out of here fails the group."""
         self.step_id += 1
         self.on_phase(self.step_id, "schedule")
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
-        plan = self.build_plan(sched)
-        tokens = self.run(plan)
-        return self._postprocess(sched, tokens)
+        failed: dict[int, str] = {}
+        try:
+            results = dict(enumerate(self.run_scheduled(sched.scheduled)))
+        except StepError as e:
+            results, failed = bisect_step(self.step_id, sched.scheduled, e, self.run_scheduled)
+            if not results and not e.request_fault:
+                self._probe(e)  # every request failed: is it the rank?
+        return self._postprocess(sched, results, failed)
+
+    def run_scheduled(self, scheduled: list[ScheduledRequest]) -> list[SeqResult]:
+        """One group step of these requests: each one's results (raises StepError)."""
+        plan = self.build_plan(SchedulerOutput(scheduled))
+        ranks = self.run(plan)
+        return per_request(
+            [s.req.dp_rank for s in scheduled], [s.samples for s in scheduled], ranks
+        )
+
+    def _probe(self, error: StepError) -> None:
+        """Runs one token of a throwaway request; raises (the group fails) if that fails too."""
+        alloc = self.scheduler.allocators[0]
+        req = Request("__probe__", [0], SamplingParams(max_tokens=1, temperature=0.0))
+        if not alloc.can_allocate(req, 1):
+            return  # no block to probe with: the requests take the blame
+        alloc.allocate(req, 1)
+        try:
+            self.run_scheduled([ScheduledRequest(req, 1)])
+        except StepError as e:
+            raise RuntimeError(
+                f"step {self.step_id}: every request fails, alone too, and so does a probe step "
+                f"({e}); first failure: {error}"
+            ) from e
+        finally:
+            alloc.free(req)
+        logger.warning("step %d: a probe step runs: the failure is the requests'", self.step_id)
 
     def build_plan(self, sched: SchedulerOutput) -> StepPlan:
         per_rank: list[list[SeqPlan]] = [[] for _ in range(self.scheduler.dp_size)]
         for s in sched.scheduled:
             req = s.req
             start = req.num_computed
-            per_rank[req.dp_rank].append(
-                SeqPlan(
-                    req.token_ids[start : start + s.num_tokens],
-                    start,
-                    req.block_ids,  # not copied: the plan is run (or pickled) in this step
-                    req.params if s.samples else None,
-                    req.params.output_offset + req.num_output_tokens,
-                    req.table_id,
-                )
+            seq = SeqPlan(
+                req.token_ids[start : start + s.num_tokens],
+                start,
+                req.block_ids,  # not copied: the plan is run (or pickled) in this step
+                req.params if s.samples else None,
+                req.params.output_offset + req.num_output_tokens,
+                req.table_id,
+                fault=req.params.fault,
             )
+            acc = req.prompt_logprobs
+            if acc is not None and not req.prompt_logprobs_sent:
+                # Rows j of this chunk score prompt token j + 1; those already held (a request
+                # preempted mid-prompt recomputes them) are not computed again.
+                first = max(start, len(acc) - 1)
+                last = min(start + s.num_tokens, req.num_prompt_tokens - 1)
+                if first < last:
+                    seq.prompt_lp_targets = req.prompt_ids[first + 1 : last + 1]
+                    seq.prompt_lp_first = first
+                    seq.prompt_lp_top = max(0, int(req.params.prompt_logprobs or 0))
+            per_rank[req.dp_rank].append(seq)
         return StepPlan(self.step_id, per_rank, faults=self.faults)
 
-    def run(self, plan: StepPlan) -> list[list[int]]:
-        """Every rank runs the plan; returns the sampled tokens of each attention rank."""
+    def run(self, plan: StepPlan) -> list[RankResult]:
+        """Every rank runs the plan; returns each attention rank's results. Raises StepError
+        when a rank's part raised an exception it survived (each rank reports it through the
+        gather instead of its results); an exception that leaves the rank unusable
+        (outcome.is_fatal) is raised as it is."""
         comm = self.runner.comm
         retired = [t for a in self.scheduler.allocators for t in a.drain_retired()]
         if comm.active:  # the other ranks get the tables' new entries only
             comm.broadcast_object(self.tables.wire(plan, retired))
-        mine = self.runner.execute(plan)
+        mine: RankResult | StepFailed
+        try:
+            mine = self.runner.execute_step(plan)
+        except Exception as e:
+            if is_fatal(e):
+                raise
+            logger.warning("step %d failed on rank 0: %s", plan.step, describe(e))
+            mine = StepFailed(0, describe(e))
         gathered = comm.gather_objects(mine)
+        assert gathered is not None
+        failures = [g for g in gathered if isinstance(g, StepFailed)]
+        if failures:
+            raise StepError(failures)
         dispatcher = self.runner.dispatcher
         changed = self.sizer.observe(dispatcher.step_peak_share if dispatcher else None)
         if changed is not None:
             self._apply_sizing(changed)
-        assert gathered is not None
         if self.runner.layout.dp_attention:
             return gathered  # type: ignore[return-value]
-        return [mine]
+        return [mine]  # type: ignore[list-item]
 
     def broadcast_idle(self) -> None:
         """Tells the other ranks the leader is alive while there is no work."""
@@ -238,26 +310,66 @@ class Engine:
         self.runner.comm.broadcast_object(StepPlan(self.step_id, shutdown=True))
         self.runner.comm.shutdown()
 
-    def _postprocess(self, sched: SchedulerOutput, tokens: list[list[int]]) -> list[RequestOutput]:
-        # Tokens come back per attention rank, in the order of that rank's sampling sequences.
-        queues = [iter(t) for t in tokens]
-        sampled: list[tuple[Request, int]] = []
-        for s in sched.scheduled:
-            if s.samples:
-                sampled.append((s.req, next(queues[s.req.dp_rank])))
-        for s in sched.scheduled:
-            s.req.num_computed += s.num_tokens
+    def _postprocess(
+        self, sched: SchedulerOutput, results: dict[int, SeqResult], failed: dict[int, str]
+    ) -> list[RequestOutput]:
+        """Advances the requests that ran (`results`, by index in sched.scheduled) and ends
+        those that failed (`failed`: their error). Per-request work that raises ends that
+        request alone."""
+        samples = [s.samples for s in sched.scheduled]  # before num_computed moves on
+        for i, s in enumerate(sched.scheduled):
+            if i in results:
+                s.req.num_computed += s.num_tokens
         outputs = []
-        for req, tok in sampled:
-            req.token_ids.append(tok)
-            reason = self._finish_reason(req, tok)
-            new = [] if reason == "stop" else [tok]  # the stop token is not part of the answer
-            if reason is not None:
-                self.scheduler.finish(req, reason)
-            outputs.append(
-                RequestOutput(req.rid, new, reason, req.num_prompt_tokens, req.num_output_tokens)
-            )
+        for i, s in enumerate(sched.scheduled):
+            if i in failed:
+                outputs.append(self._fail(s.req, failed[i]))
+                continue
+            try:
+                out = self._advance(s.req, samples[i], results[i])
+            except Exception as e:
+                logger.warning("request %s: postprocessing failed: %s", s.req.rid, describe(e))
+                out = self._fail(s.req, f"postprocess: {describe(e)}")
+            if out is not None:
+                outputs.append(out)
         return outputs
+
+    def _advance(self, req: Request, samples: bool, res: SeqResult) -> RequestOutput | None:
+        """One request's results of the step: its output when it sampled."""
+        if res.prompt_logprobs and req.prompt_logprobs is not None:
+            req.prompt_logprobs.extend(res.prompt_logprobs)
+        if not samples:
+            return None
+        tok = res.token
+        if not isinstance(tok, int):
+            return self._fail(req, str(tok))  # its row could not be sampled
+        req.token_ids.append(tok)
+        reason = self._finish_reason(req, tok)
+        new = [] if reason == "stop" else [tok]  # the stop token is not part of the answer
+        out = RequestOutput(req.rid, new, reason, req.num_prompt_tokens, req.num_output_tokens)
+        if req.params.logprobs is not None:
+            if new and res.logprob is None:
+                raise RuntimeError("no logprobs came back for the sampled token")
+            out.logprobs = [res.logprob] if new else []  # type: ignore[list-item]
+        if req.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+            if len(req.prompt_logprobs) != req.num_prompt_tokens:
+                raise RuntimeError(
+                    f"{len(req.prompt_logprobs)} prompt logprobs for {req.num_prompt_tokens} "
+                    "prompt tokens"
+                )
+            out.prompt_logprobs = req.prompt_logprobs
+            req.prompt_logprobs_sent = True
+        if reason is not None:
+            self.scheduler.finish(req, reason)
+        return out
+
+    def _fail(self, req: Request, error: str) -> RequestOutput:
+        """Ends `req` with an error output (the group goes on)."""
+        logger.warning("request %s failed: %s", req.rid, error)
+        self.scheduler.finish(req, "error")
+        return RequestOutput(
+            req.rid, [], "error", req.num_prompt_tokens, req.num_output_tokens, error=error
+        )
 
     def _finish_reason(self, req: Request, tok: int) -> str | None:
         p = req.params
@@ -266,6 +378,18 @@ class Engine:
         if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
             return "length"
         return None
+
+
+class _WarmUpStepFailed(RuntimeError):
+    """A warm-up request ended with an error output."""
+
+
+def _oom_message(n: int, error: str) -> str:
+    return (
+        f"start-up warm-up: a {n}-token prefill does not fit in device memory; lower "
+        f"--mem-fraction-static (leaves more for activations) or --max-num-batched-tokens "
+        f"({error})"
+    )
 
 
 def warm_up_sizes(largest: int, compiles: bool) -> list[int]:
@@ -292,7 +416,10 @@ def warm_up_sizes(largest: int, compiles: bool) -> list[int]:
 def follower_loop(runner: ModelRunner, on_plan: Callable[[int, bool], None]) -> None:
     """Ranks 1..n-1: run every plan the leader broadcasts until it says shut down.
     `on_plan(step, idle)` is called for every plan received. Block tables arrive by difference
-    (`TableSender`) and are rebuilt here."""
+    (`TableSender`) and are rebuilt here. A step that raises here is reported to the leader
+    through the step's gather (`StepFailed`) and the loop goes on: survivable where every rank
+    got past the step's collectives (outcome.py); one that raises mid-collective leaves the
+    group blocked, and the watchdog fences it."""
     tables = TableReceiver()
     while True:
         plan = runner.comm.broadcast_object(None)
@@ -305,5 +432,12 @@ def follower_loop(runner: ModelRunner, on_plan: Callable[[int, bool], None]) -> 
         if plan.idle:
             runner.apply_faults(plan.faults)
             continue
-        tokens = runner.execute(plan)
-        runner.comm.gather_objects(tokens)
+        result: RankResult | StepFailed
+        try:
+            result = runner.execute_step(plan)
+        except Exception as e:  # the leader learns of it through the gather, and goes on
+            if is_fatal(e):
+                raise
+            logger.warning("step %d failed on this rank: %s", plan.step, describe(e))
+            result = StepFailed(runner.layout.rank, describe(e))
+        runner.comm.gather_objects(result)

@@ -17,6 +17,8 @@ from safeserve.config import ServerArgs
 from safeserve.engine.attention import AttentionMetadata
 from safeserve.engine.cuda_graph import DecodeCudaGraphs, TableUpload
 from safeserve.engine.kv_cache import KVCache, kv_blocks_from_memory
+from safeserve.engine.logprobs import prompt_logprobs, sampled_logprobs
+from safeserve.engine.outcome import RankResult, apply_request_faults
 from safeserve.engine.parallel import Comm, Layout
 from safeserve.engine.piecewise_graph import PiecewiseCudaGraphs
 from safeserve.engine.plan import Faults, SeqPlan, StepPlan
@@ -291,41 +293,57 @@ class ModelRunner:
     def _moe_phase(self, phase: str) -> None:
         self.on_phase(self.step_id, phase)
 
-    def execute(self, plan: StepPlan) -> list[int]:
-        """Runs this rank's part of the plan; returns the tokens it sampled, in plan order."""
+    def execute(self, plan: StepPlan) -> list[int | str]:
+        """Runs this rank's part of the plan; returns the tokens it sampled, in plan order (a
+        row that could not be sampled holds its error instead: sampler.sample)."""
+        return self.execute_step(plan).tokens
+
+    def execute_step(self, plan: StepPlan) -> RankResult:
+        """Runs this rank's part of the plan: its sampled tokens (or per-row errors) and the
+        log-probabilities its requests ask for. Raises `RequestFault` on every rank, before
+        any collective, for a plan holding a request with fault "raise" (outcome.py); a step
+        that raises leaves no per-step state behind (the dispatcher's step is discarded)."""
+        apply_request_faults(plan, self.layout.rank, self.layout.dp_attention)
         start, waited = time.perf_counter(), self.comm.wait_s
         self.apply_faults(plan.faults)
         delay = self.faults.delay_s.get(self.layout.rank, 0.0)
         if delay > 0:
             time.sleep(delay)  # fault injection: a slow rank
-        logits, greedy, sampling = self._run(plan)
-        tokens: list[int] = []
-        if logits is not None:
-            self.on_phase(plan.step, "sample")
-            tokens = sample(
-                logits,
-                [s.params for s in sampling],
-                [s.output_index for s in sampling],
-                self.args.seed,
-                greedy_tokens=greedy,
-            )
+        try:
+            logits, greedy, sampling, prompt = self._run(plan)
+            result = RankResult(prompt_logprobs=prompt)
+            if logits is not None:
+                self.on_phase(plan.step, "sample")
+                result.tokens = sample(
+                    logits,
+                    [s.params for s in sampling],  # type: ignore[misc]
+                    [s.output_index for s in sampling],
+                    self.args.seed,
+                    greedy_tokens=greedy,
+                )
+                result.logprobs = sampled_logprobs(logits, sampling, result.tokens)
+        except Exception:
+            if self.dispatcher is not None:
+                self.dispatcher.discard_step()  # a half step is no balancedness pass
+            raise
         if self.dispatcher is not None:
             self.dispatcher.end_step()  # after sampling: the step's device work is done
         self.last_own_step_s = (time.perf_counter() - start) - (self.comm.wait_s - waited)
-        return tokens
+        return result
 
     def run_plan(self, plan: StepPlan) -> tuple[torch.Tensor | None, list[SeqPlan]]:
         """The forward pass of this rank's part; logits of its sampling rows when it samples."""
-        logits, _, sampling = self._run(plan)
+        logits, _, sampling, _ = self._run(plan)
         if self.dispatcher is not None:
             self.dispatcher.end_step()
         return logits, sampling
 
     def _run(
         self, plan: StepPlan
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, list[SeqPlan]]:
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, list[SeqPlan], dict]:
         """(logits of the sampling rows, their argmax where a CUDA graph computed it, the
-        sampling sequences); logits None where this rank does not sample."""
+        sampling sequences, prompt log-probabilities by sequence index); logits None (and no
+        prompt log-probabilities) where this rank does not sample."""
         self.step_id = plan.step
         dp = self.layout.dp_attention
         if dp:
@@ -340,6 +358,8 @@ class ModelRunner:
             self.dispatcher.begin_step(StepTokens(sizes, replicated=not self.layout.dp_attention))
         self.on_phase(plan.step, "attention")
         sampling = [s for s in mine if s.params is not None]
+        # only the requests asking for prompt log-probabilities need logits of more rows
+        wants_prompt = samples_here and any(s.prompt_lp_targets for s in mine)
         graphs = self.cuda_graphs
         # Every rank holds the whole plan, so every rank picks the same bucket (or none). Fault
         # injection (route skew) lives in device tensors that the graphs read: no eager step.
@@ -348,18 +368,28 @@ class ModelRunner:
             bucket = graphs.group_bucket(plan.per_rank if dp else [mine])
         if bucket is not None:
             out = graphs.run(mine, bucket)
-            if out is None or not samples_here or not sampling:
-                return None, None, sampling
-            logits, greedy = out
+            if out is None or not samples_here:
+                return None, None, sampling, {}
+            logits, greedy = out  # every row's (one token each), valid until the next replay
+            prompt = prompt_logprobs(mine, lambda i: logits[i], self.device) if wants_prompt else {}
+            if not sampling:
+                return None, None, sampling, prompt
             if len(sampling) < len(mine):
                 rows = [i for i, s in enumerate(mine) if s.params is not None]
                 index = torch.tensor(rows, dtype=torch.int64, device=self.device)
                 logits, greedy = logits[index], greedy[index]
-            return logits, greedy, sampling
+            return logits, greedy, sampling, prompt
         hidden, sample_rows = self._forward(mine, max(sizes))
-        if not samples_here or not sampling:
-            return None, None, sampling
-        return self.model.compute_logits(hidden[sample_rows]), None, sampling
+        if not samples_here:
+            return None, None, sampling, {}
+        prompt = (
+            prompt_logprobs(mine, lambda i: self.model.compute_logits(hidden[i]), self.device)
+            if wants_prompt
+            else {}
+        )
+        if not sampling:
+            return None, None, sampling, prompt
+        return self.model.compute_logits(hidden[sample_rows]), None, sampling, prompt
 
     def _forward(self, seqs: list[SeqPlan], group_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A step that no decode graph runs: as piecewise graphs where the group's largest

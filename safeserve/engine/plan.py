@@ -25,6 +25,16 @@ class SeqPlan:
     # Only in a plan on its way to the other ranks (`TableSender`): block_table holds the
     # entries from this index on; the ones before were sent in earlier steps.
     table_start: int = 0
+    # Fault injection (SamplingParams.fault), on every step that holds the request: sampling
+    # or not (params is only set on the steps that sample).
+    fault: str | None = None
+    # Prompt log-probabilities computed this step: the rows at positions prompt_lp_first ..
+    # prompt_lp_first + len(prompt_lp_targets) - 1 (within this step's tokens), row j scoring
+    # the prompt token at position j + 1 (prompt_lp_targets, which may reach one token past
+    # this chunk) with the prompt_lp_top most likely. None: none this step.
+    prompt_lp_targets: list[int] | None = None
+    prompt_lp_first: int = 0
+    prompt_lp_top: int = 0
 
     @property
     def end(self) -> int:
@@ -79,11 +89,8 @@ class TableSender:
                     continue
                 have = self._sent.get(s.table_id, 0)
                 out.append(
-                    SeqPlan(
-                        s.token_ids, s.start, s.block_table[have:], s.params, s.output_index,
-                        s.table_id, have,
-                    )
-                )  # fmt: skip
+                    dataclasses.replace(s, block_table=s.block_table[have:], table_start=have)
+                )
                 self._sent[s.table_id] = len(s.block_table)
             per_rank.append(out)
         return dataclasses.replace(plan, per_rank=per_rank, retired_tables=list(retired))

@@ -87,6 +87,17 @@ class _Heartbeats:
             self._wake.wait(self.interval)
 
 
+def set_process_title(group: int, rank: int) -> None:
+    """Names the process `safeserve: group G rank R` in `ps` and `top` (where setproctitle is
+    installed; silently not otherwise)."""
+    try:
+        from setproctitle import setproctitle
+    except ImportError:
+        return
+    with contextlib.suppress(Exception):  # a title is a convenience, never a start-up failure
+        setproctitle(f"safeserve: group {group} rank {rank}")
+
+
 def _setup(args: ServerArgs, group: int, rank: int) -> None:
     logging.basicConfig(
         level=args.log_level.upper(),
@@ -102,7 +113,10 @@ def _fatal(out: zmq.Socket, group: int, rank: int, what: str, e: BaseException) 
     logger.error("%s: %s", what, traceback.format_exc())
     msg = pickle.dumps(GroupFatal(group, rank, f"{what}: {type(e).__name__}: {e}"))
     # os._exit ends ZeroMQ's I/O thread too: wait (at most 2 s) until it has handed the message
-    # to the socket, or the frontend would learn of the death but not its reason.
+    # to the socket, or the frontend would learn of the death but not its reason. pyzmq copies
+    # messages under its copy threshold and reports them sent at once: force zero-copy so the
+    # tracker waits for ZeroMQ to release (write) the message.
+    out.copy_threshold = 0
     tracker = out.send(msg, copy=False, track=True)
     with contextlib.suppress(zmq.NotDone):
         tracker.wait(2.0)
@@ -120,6 +134,7 @@ def run_rank(
     fail_at_start: bool = False,
 ) -> None:
     """Entry point of every rank process of a group (spawned by the frontend)."""
+    set_process_title(group, rank)
     _setup(args, group, rank)
     parent = os.getppid()
     ctx = zmq.Context()
@@ -156,7 +171,7 @@ def run_rank(
 
     try:
         follower_loop(runner, on_plan)
-    except Exception as e:  # the leader went away mid-collective, or a step failed
+    except Exception as e:  # the leader went away mid-collective, or the rank is unusable
         _fatal(out, group, rank, "step failed", e)
     logger.info("shut down")
     _exit_after_shutdown()
@@ -214,7 +229,7 @@ def _lead(args, group, runner, out, ctx, addrs, hb, parent) -> None:  # type: ig
         if os.getppid() != parent:  # the frontend is gone: nobody will read our outputs
             logger.warning("frontend exited; leader stopping")
             os._exit(0)
-        try:
+        try:  # a step's exception that a request caused comes back as that request's error
             if engine.has_work():
                 outputs.extend(engine.step())
             else:
@@ -235,7 +250,8 @@ def _handle(engine, msg: object) -> list[RequestOutput]:  # type: ignore[no-unty
             engine.add_request(msg.rid, msg.prompt_ids, msg.params)
         except ValueError as e:
             logger.warning("request %s refused: %s", msg.rid, e)
-            return [RequestOutput(msg.rid, [], "error", len(msg.prompt_ids), 0)]
+            error = f"add_request: {type(e).__name__}: {e}"
+            return [RequestOutput(msg.rid, [], "error", len(msg.prompt_ids), 0, error=error)]
         return []
     if isinstance(msg, AbortRequest):
         engine.abort_request(msg.rid)

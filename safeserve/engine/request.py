@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from safeserve.messages import SamplingParams
+from safeserve.messages import SamplingParams, TokenLogprob
 
 
 class RequestStatus(enum.Enum):
@@ -29,6 +29,10 @@ class Request:
     finish_reason: str | None = None
     num_preemptions: int = 0
     dp_rank: int = 0  # attention rank holding its KV cache (attention data-parallel)
+    # Prompt log-probabilities accumulated over its prefill chunks (when asked; entry 0 is
+    # None), sent once with its first output.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs_sent: bool = False
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -13,7 +13,7 @@ import psutil
 import pytest
 import torch
 from layouts import LAYOUTS, layout_args
-from serving import KV_PRESSURE, preempts_and_loses_nothing
+from serving import KV_PRESSURE, preempts_and_loses_nothing, rank_processes
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 PROMPTS = [
@@ -139,7 +139,8 @@ def test_invalid_layout_exits_before_spawning(
 def test_ctrl_c_leaves_no_process_behind(server_factory, checkpoint: Path) -> None:
     s = server_factory(["--model", str(checkpoint), *layout_args("tp2-ep2-alltoall")])
     ranks = psutil.Process(s.proc.pid).children(recursive=True)
-    assert len([r for r in ranks if "spawn_main" in " ".join(r.cmdline())]) == 2
+    titles = sorted(" ".join(r.cmdline()).strip() for r in rank_processes(s.proc.pid))
+    assert titles == ["safeserve: group 0 rank 0", "safeserve: group 0 rank 1"]
     os.killpg(s.proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole process group
     s.proc.wait(timeout=20)
     gone, alive = psutil.wait_procs(ranks, timeout=10)

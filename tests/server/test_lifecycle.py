@@ -14,6 +14,7 @@ import openai
 import psutil
 import pytest
 from checkpoints import write_qwen3_moe_checkpoint
+from serving import rank_processes
 
 
 def test_tiny_model_serves_chat_by_default(server_factory) -> None:
@@ -44,12 +45,8 @@ def test_dead_leader_makes_ready_and_requests_fail_fast(server_factory) -> None:
     s = server_factory(
         ["--max-model-len", "4096", "--max-request-attempts", "1", "--crash-loop-failures", "1"]
     )
-    leaders = [
-        p
-        for p in psutil.Process(s.proc.pid).children(recursive=True)
-        if "python" in p.name().lower()
-    ]
-    assert leaders
+    leaders = rank_processes(s.proc.pid)
+    assert [" ".join(p.cmdline()).strip() for p in leaders] == ["safeserve: group 0 rank 0"]
     client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=20)
     stream = client.completions.create(
         model="tiny", prompt="go", max_tokens=4000, stream=True, extra_body={"ignore_eos": True}
@@ -81,7 +78,7 @@ def test_a_killed_starter_leaves_no_server_behind(tmp_path: Path) -> None:
     try:
         server = psutil.Process(int(starter.stdout.readline()))  # type: ignore[union-attr]
         ranks = server.children(recursive=True)
-        assert len([p for p in ranks if "spawn_main" in " ".join(p.cmdline())]) == 2
+        assert len(rank_processes(server.pid)) == 2
         starter.kill()
         starter.wait(timeout=10)
         gone, alive = psutil.wait_procs([server, *ranks], timeout=30)
