@@ -1,4 +1,4 @@
-"""`safeserve serve`, `bench`, `chaos` and `oncall` (and, when it lands, `group`)."""
+"""`safeserve serve`, `bench`, `chaos`, `oncall` and `tokenizer` (and, when it lands, `group`)."""
 
 from __future__ import annotations
 
@@ -92,9 +92,37 @@ def _serve(ns: argparse.Namespace) -> int:
         access_log=False,
         timeout_graceful_shutdown=args.graceful_shutdown_s,
     )
-    server = uvicorn.Server(config)
+    server = _announcing_server(config)  # type: ignore[assignment]
     server.run()
     return 1 if fatal else 0
+
+
+def _bound(server: object, host: str, port: int) -> str:
+    """`http://HOST:PORT` a uvicorn server listens on (the real port when asked for 0)."""
+    for srv in getattr(server, "servers", None) or []:
+        for sock in srv.sockets:
+            port = sock.getsockname()[1]
+            break
+    return f"http://{host}:{port}"
+
+
+def _announcing_server(config: object) -> object:
+    """uvicorn's server, which logs where the API and the admin API listen once it is bound."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets: list | None = None) -> None:
+            await super().startup(sockets)
+            if not self.started:
+                return
+            state = self.config.app.state.safeserve
+            args = state.args
+            admin = _bound(state.admin_server, args.admin_host, args.admin_port_effective)
+            logging.getLogger("safeserve").info(
+                "serving on %s (admin API on %s)", _bound(self, args.host, args.port), admin
+            )
+
+    return Server(config)
 
 
 def _cannot_listen(host: str, port: int) -> str | None:
@@ -130,6 +158,19 @@ def _fused_moe_table_error() -> str | None:
     except ConfigTableError as e:
         return str(e)
     return None
+
+
+def _tokenizer(ns: argparse.Namespace) -> int:
+    from safeserve.model.tokenizer import TokenizerError, export_tokenizer
+
+    try:
+        written = export_tokenizer(ns.model, ns.out)
+    except (TokenizerError, OSError) as e:
+        print(f"safeserve: error: {e}", file=sys.stderr)
+        return 2
+    for path in written:
+        print(path)
+    return 0
 
 
 def _chaos(ns: argparse.Namespace) -> int:
@@ -177,6 +218,13 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     )
     add_oncall_args(oncall)
     oncall.set_defaults(func=_oncall)
+    tok = sub.add_parser(
+        "tokenizer",
+        help="write a model's tokenizer as Hugging Face files (AutoTokenizer.from_pretrained)",
+    )
+    tok.add_argument("model", help=f"{TINY_MODEL!r} or a checkpoint directory")
+    tok.add_argument("--out", required=True, help="directory to write (made if missing)")
+    tok.set_defaults(func=_tokenizer)
     return parser
 
 

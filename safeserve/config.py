@@ -175,6 +175,15 @@ class ServerArgs:
     exit_on_no_groups: bool = _flag(
         False, "Exit non-zero when every group is FAILED for good (crash loop).", "groups"
     )
+    quarantine_s: float = _flag(
+        600.0,
+        "Query of death: a request in flight on a group when it failed migrates once, onto a "
+        "group holding no other such suspect; in flight on a second failed group it is "
+        "answered 422 request_quarantined and identical requests (same prompt and sampling) "
+        "are refused at admission for this long. 0 turns the rule off (requests migrate up to "
+        "--max-request-attempts).",
+        "groups",
+    )
 
     # -- guards --------------------------------------------------------------------------------
     dispatch_budget_tokens: int | None = _flag(
@@ -291,6 +300,8 @@ class ServerArgs:
             raise ConfigError(
                 "--num-groups, --max-request-attempts, --crash-loop-failures must be >= 1"
             )
+        if self.quarantine_s < 0:
+            raise ConfigError("--quarantine-s must be >= 0 (0 turns the query-of-death rule off)")
         if self.fault_fail_start_group is not None and not self.enable_fault_injection:
             raise ConfigError("--fault-fail-start-group needs --enable-fault-injection")
         if self.devices is not None:

@@ -78,6 +78,44 @@ def start_server(
     raise RuntimeError(f"server not ready after {timeout} s:\n{log.read_text()}")
 
 
+def stream_completion(
+    s: Server, prompt: list[int], max_tokens: int, **extra: object
+) -> tuple[list[int], str | None]:
+    """A streamed greedy completion of `max_tokens` (EOS ignored): (every token id received,
+    the error code if it was refused or ended with an error event)."""
+    import json
+
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    body |= {"ignore_eos": True, "return_token_ids": True, "stream": True, **extra}
+    ids: list[int] = []
+    with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=180) as r:
+        if r.status_code != 200:
+            r.read()
+            return ids, r.json()["error"]["code"]
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                return ids, chunk["error"]["code"]
+            for choice in chunk["choices"]:
+                ids.extend(choice.get("token_ids") or [])
+    return ids, None
+
+
+def admin_groups(s: Server) -> list[dict]:
+    return httpx.get(s.admin_url + "/admin/groups", timeout=10).json()["groups"]
+
+
+def wait_all_ready(s: Server, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(g["state"] == "READY" for g in admin_groups(s)):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"groups not READY: {admin_groups(s)}")
+
+
 def rank_processes(server_pid: int) -> list:
     """The rank processes of a server (`safeserve: group G rank R` in `ps`), as psutil
     processes."""

@@ -128,3 +128,46 @@ def test_a_port_in_use_is_refused_before_any_group_starts(flag: str) -> None:
         assert f"cannot listen on 127.0.0.1:{port} ({flag})" in r.stderr
         assert "Traceback" not in r.stderr and "group 0" not in r.stderr
         assert time.monotonic() - t0 < 30
+
+
+TOKENIZER_TEXTS = [
+    "Hello, world",
+    "  leading spaces\n\ttabs and\r\nnewlines",
+    "Héllo wörld, naïve café, 日本語, Ελληνικά",
+    "emoji 🙂 👩‍👩‍👧 🇫🇷",
+    "<|im_start|>user\nhi<|im_end|>\n<|endoftext|>",
+    "\x00\x1b control",
+]
+
+
+def test_tokenizer_command_writes_what_transformers_loads_as_tiny_tokenizes(tmp_path) -> None:
+    """`safeserve tokenizer tiny --out DIR`: AutoTokenizer.from_pretrained(DIR) (lm-eval's
+    tokenizer backend, for one) encodes and decodes exactly as the server's tiny tokenizer,
+    special tokens, partial UTF-8 and the chat template included."""
+    transformers = pytest.importorskip("transformers")
+    from safeserve.model.tokenizer import ByteTokenizer
+
+    out = tmp_path / "tok"
+    r = _cli("tokenizer", "tiny", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        assert str(out / name) in r.stdout
+    hf = transformers.AutoTokenizer.from_pretrained(out)
+    tiny = ByteTokenizer()
+    for text in TOKENIZER_TEXTS:
+        ids = tiny.encode(text)
+        assert hf.encode(text) == ids, text
+        assert hf.decode(ids, skip_special_tokens=True) == tiny.decode(ids)
+    for ids in ([0xE2, 0x82], [0xFF, 65, 0xC3], [0xF0, 0x9F, 0x99, 0x82], [0xED, 0xA0, 0x80]):
+        assert hf.decode(ids) == tiny.decode(ids), ids
+    msgs = [{"role": "user", "content": "hi"}]
+    rendered = hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert rendered == tiny.apply_chat_template(msgs)
+    assert hf.eos_token == "<|im_end|>" and hf.pad_token == "<|endoftext|>" and hf.bos_token is None
+    assert len(hf) == tiny.vocab_size
+    # a checkpoint directory's tokenizer files are copied; a directory without one is refused
+    again = tmp_path / "copy"
+    assert _cli("tokenizer", str(out), "--out", str(again)).returncode == 0
+    assert (again / "tokenizer.json").read_bytes() == (out / "tokenizer.json").read_bytes()
+    r = _cli("tokenizer", str(tmp_path / "nothing"), "--out", str(tmp_path / "x"))
+    assert r.returncode == 2 and "no tokenizer.json" in r.stderr and "Traceback" not in r.stderr

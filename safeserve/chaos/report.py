@@ -27,6 +27,7 @@ from safeserve.chaos.faults import FaultRecord
 from safeserve.chaos.load import RequestRecord
 from safeserve.chaos.observer import Observer, metric_total
 from safeserve.chaos.scenario import EXPECTED_VERDICT, SIGNAL_ACTIONS, Scenario
+from safeserve.guards.watchdog import VERDICT_KINDS
 
 RECOVERY_WINDOW_S = 3.0
 
@@ -222,9 +223,9 @@ def server_counters(before: dict, after: dict, groups_before: list, groups_after
         "retries": delta("request_retries_total"),
         "failed_after_retries": delta("requests_failed_after_retries_total"),
         "lost": delta("requests_lost_total"),
-        "verdicts": {
-            v: delta("watchdog_verdicts_total", verdict=v) for v in ("dead", "stalled", "slow")
-        },
+        "verdicts": {v: delta("watchdog_verdicts_total", verdict=v) for v in VERDICT_KINDS},
+        "quarantined": delta("requests_quarantined_total"),
+        "quarantine_refusals": delta("quarantine_refusals_total"),
         "group_failures": {
             str(g["id"]): g["failures"] - fails.get(g["id"], 0) for g in groups_after
         },

@@ -1,7 +1,10 @@
 """The watchdog: reads every rank's heartbeats, process state and utilization; names a culprit.
 
 Verdicts:
-- `dead`: a rank's process is gone (or a zombie).
+- `crashed`: a rank's process is gone after it reported a fatal error (`GroupFatal`: the
+  exception's type and message), e.g. a Python exception in a step.
+- `dead`: a rank's process is gone without a report: killed by a signal (named, e.g. SIGKILL)
+  or a silent exit (its exit code).
 - `stalled`: the group's progress stopped longer than `--watchdog-stall-timeout`. A rank that
   stopped beating (SIGSTOP, a hung interpreter) is the culprit; when every rank still beats but
   no phase moved while the group has work, the culprit is the idle rank that entered its phase
@@ -16,6 +19,7 @@ a rank that is busy (using CPU or GPU) in a long phase is working, not stalled.
 from __future__ import annotations
 
 import logging
+import signal
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -29,17 +33,54 @@ IDLE_UTILIZATION = 0.2  # below this a rank is not computing
 SLOW_MIN_SECONDS = 0.05  # a step this short is never "slow"
 
 
+# Every verdict kind (the `verdict` label of `safeserve:watchdog_verdicts_total`).
+VERDICT_KINDS = ("crashed", "dead", "stalled", "slow")
+FENCING = ("crashed", "dead", "stalled")
+
+
 @dataclass
 class Verdict:
-    kind: str  # "dead" | "stalled" | "slow"
+    kind: str  # one of VERDICT_KINDS
     group: int
     rank: int
     reason: str
     at: float = field(default_factory=time.time)
+    exit_code: int | None = None  # crashed, dead: the process's exit code (< 0: the signal)
+    signal: str | None = None  # dead: the signal that ended it, e.g. "SIGKILL"
+    error: str | None = None  # crashed: the rank's own line (what failed: type: message)
 
     @property
     def fences(self) -> bool:
-        return self.kind in ("dead", "stalled")
+        return self.kind in FENCING
+
+
+def signal_name(exit_code: int | None) -> str | None:
+    """`SIGKILL` for an exit code of -9 (multiprocessing's way of saying "killed by 9")."""
+    if exit_code is None or exit_code >= 0:
+        return None
+    try:
+        return signal.Signals(-exit_code).name
+    except ValueError:
+        return f"signal {-exit_code}"
+
+
+def death_verdict(
+    group: int, rank: int, pid: int | None, exit_code: int | None, report: str | None
+) -> Verdict:
+    """`crashed` when the rank reported what failed before it went; `dead` otherwise."""
+    if report is not None:
+        how = f"exit code {exit_code}" if exit_code is not None else "exiting"
+        reason = f"rank {rank} (pid {pid}) crashed: {report} ({how})"
+        return Verdict("crashed", group, rank, reason, exit_code=exit_code, error=report)
+    sig = signal_name(exit_code)
+    if sig is not None:
+        how = f"killed by {sig}"
+    elif exit_code is not None:
+        how = f"exited with code {exit_code} without reporting an error"
+    else:
+        how = "exit code not known yet"
+    reason = f"rank {rank} (pid {pid}) is gone: {how}"
+    return Verdict("dead", group, rank, reason, exit_code=exit_code, signal=sig)
 
 
 class _Nvml:
@@ -121,25 +162,31 @@ class Watchdog:
         alive: dict[int, bool],
         has_work: bool,
         exitcodes: dict[int, int | None] | None = None,
+        reports: dict[int, str] | None = None,
+        gone_at: dict[int, float] | None = None,
     ) -> list[Verdict]:
         """`ranks`: rank -> status with pid, step, phase, phase_since, received_at, stats.
-        `exitcodes` (when known) orders dead ranks: one killed by a signal died first; its peers
-        usually exit after it, when their collective with it fails."""
+        `exitcodes` (when known) and `reports` (rank -> the fatal error it reported, in the
+        order they came) order the dead ranks, the culprit first: one killed by a signal, then
+        one that exited silently, then those that reported, first report first (a rank whose
+        collective failed because a peer went away reports after that peer); `gone_at` (rank ->
+        when it was first seen gone) orders the ranks of one kind."""
         now = time.time()
         verdicts: list[Verdict] = []
         codes = exitcodes or {}
+        said = reports or {}
+        order = {r: i for i, r in enumerate(said)}
         dead = [r for r, st in ranks.items() if not alive.get(r, True) or _zombie(st.pid)]
         if dead:
-            dead.sort(key=lambda r: ((codes.get(r) or 0) >= 0, r))
-            return [
-                Verdict(
-                    "dead",
-                    group,
-                    r,
-                    f"rank {r} (pid {ranks[r].pid}) is gone (exit code {codes.get(r)})",
-                )
-                for r in dead
-            ]
+            seen = gone_at or {}
+
+            def culprit_first(r: int) -> tuple[int, float, int]:
+                if signal_name(codes.get(r)) is not None:
+                    return (0, seen.get(r, now), r)
+                return (2, order[r], r) if r in said else (1, seen.get(r, now), r)
+
+            dead.sort(key=culprit_first)
+            return [death_verdict(group, r, ranks[r].pid, codes.get(r), said.get(r)) for r in dead]
         utils = {
             r: self.utilization(group, r, st.pid, st.stats.get("device")) for r, st in ranks.items()
         }

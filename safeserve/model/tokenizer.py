@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -27,6 +28,7 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...
+    def token_bytes(self, token_id: int) -> bytes: ...
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> str: ...
 
 
@@ -96,6 +98,7 @@ class HFTokenizer:
                 eos_ids.append(eos_id)
         self.eos_token_ids = eos_ids
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self._special = {t.content for t in self._tok.get_added_tokens_decoder().values()}
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # As transformers does: the tokenizer's post-processor adds BOS etc. for plain prompts;
@@ -105,11 +108,40 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a special token: its text), for logprobs."""
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if m := _BYTE_FALLBACK.fullmatch(piece):  # SentencePiece byte fallback: <0xE2>
+            return bytes([int(m.group(1), 16)])
+        if piece in self._special or not all(c in _UNICODE_TO_BYTE for c in piece):
+            return self._tok.decode([token_id], skip_special_tokens=False).encode()
+        return bytes(_UNICODE_TO_BYTE[c] for c in piece)  # byte-level BPE (GPT-2, Qwen)
+
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
         if self.chat_template is None:
             raise TokenizerError("this model has no chat template; use /v1/completions")
         return self.chat_template.render(messages)
 
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: every byte as a printable character."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    keep += range(ord("®"), ord("ÿ") + 1)
+    chars, n = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + n)
+            n += 1
+    return chars
+
+
+BYTE_TO_UNICODE = _bytes_to_unicode()
+_UNICODE_TO_BYTE = {c: b for b, c in BYTE_TO_UNICODE.items()}
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 BYTE_CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -149,6 +181,12 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
+    def token_bytes(self, token_id: int) -> bytes:
+        if 0 <= token_id < 256:
+            return bytes([token_id])
+        k = token_id - 256
+        return self.SPECIAL[k].encode() if k < len(self.SPECIAL) else b""
+
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
         return self.chat_template.render(messages)
 
@@ -166,3 +204,75 @@ def load_tokenizer(
         logger.warning("no tokenizer.json in %s: using the byte-level tokenizer", model)
         return ByteTokenizer()
     return HFTokenizer(model, config_eos_ids)
+
+
+# What `safeserve tokenizer` writes: the files transformers' AutoTokenizer reads.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+)
+
+
+def export_tokenizer(model: str, out: str | Path) -> list[Path]:
+    """Writes `model`'s tokenizer into `out` as Hugging Face clients load it
+    (`AutoTokenizer.from_pretrained(out)` encodes and decodes as the server does): `tiny`'s
+    byte-level one built as a `tokenizers` file, a checkpoint's copied. Returns the files."""
+    import shutil
+
+    from safeserve.config import TINY_MODEL
+
+    out = Path(out)
+    if model != TINY_MODEL:
+        src = Path(model)
+        if not (src / "tokenizer.json").is_file():
+            raise TokenizerError(
+                f"{model}: no tokenizer.json to export (a model directory with one, or 'tiny')"
+            )
+        out.mkdir(parents=True, exist_ok=True)
+        written = []
+        for name in TOKENIZER_FILES:
+            if (src / name).is_file():
+                written.append(Path(shutil.copyfile(src / name, out / name)))
+        return written
+    return _export_byte_tokenizer(out)
+
+
+def _export_byte_tokenizer(out: Path) -> list[Path]:
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as RustTokenizer
+
+    # Bytes are tokens 0..255 as GPT-2's byte-level alphabet spells them; no merges, so every
+    # byte stays one token; the special tokens follow as 256.. and match before the bytes do.
+    vocab = {BYTE_TO_UNICODE[b]: b for b in range(256)}
+    tok = RustTokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ByteTokenizer.SPECIAL
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+    eos, pad = "<|im_end|>", "<|endoftext|>"
+    special_map = {"eos_token": eos, "pad_token": pad, "bos_token": None}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **special_map,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 4096,
+        "additional_special_tokens": list(specials),
+        "chat_template": BYTE_CHAT_TEMPLATE,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "tokenizer.json", out / "tokenizer_config.json", out / "special_tokens_map.json"]
+    tok.save(str(paths[0]))
+    paths[1].write_text(json.dumps(config, indent=2) + "\n")
+    special = {k: v for k, v in special_map.items() if v is not None}
+    paths[2].write_text(
+        json.dumps({**special, "additional_special_tokens": list(specials)}, indent=2) + "\n"
+    )
+    return paths

@@ -1,9 +1,10 @@
 """`safeserve oncall VERB NOUN`: the on-call engineer's view of a running server, through its
 admin API (a thin client: every decision and check stays in the server).
 
-    safeserve oncall get groups|ranks [-o json]
+    safeserve oncall get groups|ranks|suspects|quarantine [-o json]
     safeserve oncall describe group N
     safeserve oncall drain|undrain|restart group N [--dry-run]
+    safeserve oncall lift quarantine FINGERPRINT|--all [--dry-run]
     safeserve oncall runbook [NAME]
 
 Exit codes: 0 done; 1 the server refused (e.g. 409: not in a state that allows it; 404: no such
@@ -24,8 +25,8 @@ def add_oncall_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--admin-api-key", help="its Bearer key (default: $SAFESERVE_ADMIN_API_KEY)")
     sub = p.add_subparsers(dest="verb", required=True)
-    get = sub.add_parser("get", help="one row per group or rank")
-    get.add_argument("noun", choices=("groups", "ranks"))
+    get = sub.add_parser("get", help="one row per group, rank, suspect or quarantined request")
+    get.add_argument("noun", choices=("groups", "ranks", "suspects", "quarantine"))
     get.add_argument("-o", "--output", choices=("table", "json"), default="table")
     desc = sub.add_parser("describe", help="a group: ranks, verdicts, events, runbooks")
     desc.add_argument("noun", choices=("group",))
@@ -43,6 +44,16 @@ def add_oncall_args(p: argparse.ArgumentParser) -> None:
             "--dry-run", action="store_true", help="ask the server whether it would; change nothing"
         )
         a.add_argument("-o", "--output", choices=("table", "json"), default="table")
+    lift = sub.add_parser(
+        "lift", help="admit requests identical to a quarantined one again (query of death)"
+    )
+    lift.add_argument("noun", choices=("quarantine",))
+    lift.add_argument("fingerprint", nargs="?")
+    lift.add_argument("--all", action="store_true", help="every quarantined fingerprint")
+    lift.add_argument(
+        "--dry-run", action="store_true", help="ask the server which it would lift; lift none"
+    )
+    lift.add_argument("-o", "--output", choices=("table", "json"), default="table")
     rb = sub.add_parser("runbook", help="list the runbooks, or print one")
     rb.add_argument("name", nargs="?")
     rb.add_argument(
@@ -56,9 +67,22 @@ def main(ns: argparse.Namespace) -> int:
 
     if ns.verb == "runbook":
         return _runbook(ns.name, ns.dir)
+    if ns.verb == "lift" and (ns.fingerprint is None) == (not ns.all):
+        print("safeserve oncall: error: give a FINGERPRINT or --all, not both", file=sys.stderr)
+        return 2
     client = AdminClient(ns.admin_url, ns.admin_api_key)
     try:
-        if ns.verb == "get":
+        if ns.verb == "get" and ns.noun in ("suspects", "quarantine"):
+            q = client.quarantine()
+            if ns.output == "json":
+                print(json.dumps(q, indent=1))
+            else:
+                table = views.suspects_table if ns.noun == "suspects" else views.quarantine_table
+                print(table(q))
+        elif ns.verb == "lift":
+            r = client.lift(ns.fingerprint, ns.dry_run)
+            print(json.dumps(r, indent=1) if ns.output == "json" else views.lift_lines(r))
+        elif ns.verb == "get":
             groups = client.groups()
             if ns.output == "json":
                 print(json.dumps(groups, indent=1))
@@ -92,6 +116,14 @@ def main(ns: argparse.Namespace) -> int:
 
 # States a group passes through on its way to where an action takes it.
 _UNDER_WAY = ("DRAINING", "RESTARTING", "STARTING")
+_STARTS = "a new incarnation is starting; it takes requests again once READY"
+_NEXT = {
+    ("drain", "DRAINING"): "DRAINED once its in-flight requests finish",
+    ("restart", "DRAINING"): "it restarts once its in-flight requests finish",
+    ("restart", "RESTARTING"): _STARTS,
+    ("restart", "STARTING"): _STARTS,
+    ("restart", "FAILED"): _STARTS,
+}
 
 
 def _act_line(verb: str, dry_run: bool, r: dict) -> str:
@@ -102,10 +134,13 @@ def _act_line(verb: str, dry_run: bool, r: dict) -> str:
     state = f"now {r['state']}, {r['in_flight']} in flight; other READY groups: {others}"
     if dry_run:
         return f"group {r['group']} would {verb} ({state})"
-    if r["state"] in _UNDER_WAY:
+    # A restart of a FAILED group is under way even if a server answered before it moved on.
+    if r["state"] in _UNDER_WAY or (verb == "restart" and r["state"] == "FAILED"):
+        nxt = _NEXT.get((verb, r["state"]))
         return (
-            f"group {r['group']} {verb}: under way ({state}); follow it with "
-            "`safeserve oncall get groups`"
+            f"group {r['group']} {verb}: under way ({state}){'; ' + nxt if nxt else ''}; follow "
+            f"it with `safeserve oncall get groups` or `safeserve oncall describe group "
+            f"{r['group']}`"
         )
     return f"group {r['group']} {verb}: done ({state})"
 

@@ -50,6 +50,15 @@ class AdminClient:
     def config(self) -> dict[str, Any]:
         return self._call("GET", "/admin/config")
 
+    def quarantine(self) -> dict[str, Any]:
+        """Suspects and quarantined fingerprints (the query-of-death rule)."""
+        return self._call("GET", "/admin/quarantine")
+
+    def lift(self, fingerprint: str | None, dry_run: bool = False) -> dict[str, Any]:
+        """Lifts one quarantine (every one when None); with `dry_run` the server only names them."""
+        path = "/admin/quarantine" + (f"/{fingerprint}" if fingerprint else "")
+        return self._call("DELETE", path + ("?dry_run=1" if dry_run else ""))
+
     def act(self, group_id: int, action: str, dry_run: bool = False) -> dict[str, Any]:
         """drain / undrain / restart; with `dry_run` the server only checks it."""
         query = "?dry_run=1" if dry_run else ""

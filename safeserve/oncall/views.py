@@ -7,7 +7,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-RUNBOOK_FOR_VERDICT = {"dead": "rank-dead", "stalled": "rank-stalled", "slow": "rank-slow"}
+RUNBOOK_FOR_VERDICT = {
+    "crashed": "query-of-death",  # a rank's own exception: most often a request that crashes it
+    "dead": "rank-dead",
+    "stalled": "rank-stalled",
+    "slow": "rank-slow",
+}
 RECENT_S = 3600.0  # verdicts older than this no longer point to a runbook
 # At or below this balancedness (last 10 passes) the routing counts as skewed: for EP2 it means
 # one rank gets 5x the pairs of the other; for EP4 and more, well above the 1/ep_size floor.
@@ -161,6 +166,14 @@ def runbooks_for(
         kv.append(f"KV cache {_kv_used(g)} used with {g['waiting']} requests waiting")
     if kv:
         out.append(("kv-pressure", "; ".join(kv)))
+    if g.get("quarantined"):
+        fps = ", ".join(q["fingerprint"] for q in g["quarantined"])
+        why = f"quarantined requests crashed this group and another: {fps}"
+        prior = [i for i, (name, _) in enumerate(out) if name == "query-of-death"]
+        if prior:  # one line per runbook: the verdict's reason and this one
+            out[prior[0]] = ("query-of-death", f"{why}; {out[prior[0]][1]}")
+        else:
+            out.append(("query-of-death", why))
     if not any(x["state"] == "READY" for x in all_groups):
         out.append(("no-ready-group", "no group is READY: new requests get 503"))
     return out
@@ -193,6 +206,18 @@ def describe_group(
         f"  {_ago(v['at'], now):>9}  {v['kind']:<8} rank {v['rank']}: {v['reason']}"
         for v in g.get("verdicts", [])
     ] or ["  <none>"]
+    lines.append("Suspects:")  # a request that was on a failed group, running here now
+    lines += [
+        f"  {s['rid']}  fingerprint {s['fingerprint']}, was on group {s['failed_group']} when it "
+        f"failed, {_ago(s['since'], now)}"
+        for s in g.get("suspects", [])
+    ] or ["  <none>"]
+    lines.append("Quarantined:")
+    lines += [
+        f"  {q['fingerprint']}  {q['rid']} crashed groups {q['groups'][0]} and {q['groups'][1]} "
+        f"{_ago(q['at'], now)}; refused {q['refused']} times, {q['expires_in_s']:.0f} s left"
+        for q in g.get("quarantined", [])
+    ] or ["  <none>"]
     lines.append("Events:")
     lines += [f"  {_ago(e['at'], now):>9}  {e['state']}" for e in g.get("events", [])] or [
         "  <none>"
@@ -203,6 +228,38 @@ def describe_group(
         "  <none: nothing points to a known failure>"
     ]
     return "\n".join(lines)
+
+
+def suspects_table(q: dict[str, Any], now: float | None = None) -> str:
+    now = time.time() if now is None else now
+    rows = [
+        [s["rid"], s["fingerprint"], s["failed_group"], s["group"], _ago(s["since"], now)]
+        for s in q["suspects"]
+    ]
+    return table(["RID", "FINGERPRINT", "FAILED-GROUP", "NOW-ON", "SINCE"], rows)
+
+
+def quarantine_table(q: dict[str, Any], now: float | None = None) -> str:
+    now = time.time() if now is None else now
+    rows = [
+        [
+            x["fingerprint"],
+            x["rid"],
+            ",".join(map(str, x["groups"])),
+            _ago(x["at"], now),
+            f"{x['expires_in_s']:.0f}s",
+            x["refused"],
+        ]
+        for x in q["quarantined"]
+    ]
+    return table(["FINGERPRINT", "RID", "GROUPS", "QUARANTINED", "EXPIRES-IN", "REFUSED"], rows)
+
+
+def lift_lines(r: dict[str, Any]) -> str:
+    fps = ", ".join(q["fingerprint"] for q in r["lifted"]) or "none"
+    if r["dry_run"]:
+        return f"would lift {len(r['lifted'])} quarantine(s): {fps}"
+    return f"lifted {len(r['lifted'])} quarantine(s): {fps}; identical requests are admitted again"
 
 
 def runbook_dirs(explicit: Path | None) -> list[Path]:

@@ -1,11 +1,14 @@
 """The admin API (`/admin/*`), served on its own port, bound to loopback unless told otherwise.
 
 Behind `--admin-api-key` (Bearer) when one is set. `POST /admin/faults` exists only with
-`--enable-fault-injection`.
+`--enable-fault-injection`. `GET /admin/quarantine` shows the query-of-death state (suspects,
+quarantined fingerprints); `DELETE /admin/quarantine[/{fingerprint}]` lifts quarantines
+(`?dry_run=1`: says which, lifts none).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +25,8 @@ if TYPE_CHECKING:
 
 MAX_FAULT_DELAY_S = 60.0
 
+logger = logging.getLogger(__name__)
+
 
 def _check_admin(state: ServerState, request: Request) -> None:
     require_bearer(
@@ -29,9 +34,17 @@ def _check_admin(state: ServerState, request: Request) -> None:
     )
 
 
+def _quarantine_view(state: ServerState) -> dict[str, Any]:
+    gen = state.generator
+    if gen is None:
+        return {"quarantine_s": state.args.quarantine_s, "suspects": [], "quarantined": []}
+    return gen.qod.view()
+
+
 def group_view(state: ServerState) -> list[dict[str, Any]]:
     out = []
     now = time.time()
+    qod = _quarantine_view(state)
     for sup in state.supervisors:
         g = sup.client
         ranks = []
@@ -76,13 +89,40 @@ def group_view(state: ServerState) -> list[dict[str, Any]]:
                 },
                 "ranks": ranks,
                 "verdicts": [
-                    {"kind": v.kind, "rank": v.rank, "reason": v.reason, "at": v.at}
+                    {
+                        "kind": v.kind,
+                        "rank": v.rank,
+                        "reason": v.reason,
+                        "at": v.at,
+                        "exit_code": v.exit_code,
+                        "signal": v.signal,
+                        "error": v.error,
+                    }
                     for v in verdicts
                 ],
+                # requests that were on a failed group and now run on this one (one at most)
+                "suspects": [x for x in qod["suspects"] if x["group"] == sup.group],
+                # live quarantines of requests that were in flight when this group failed
+                "quarantined": [q for q in qod["quarantined"] if sup.group in q["groups"]],
                 "events": [{"at": at, "state": st} for at, st in sup.events],
             }
         )
     return out
+
+
+def _lift(state: ServerState, request: Request, fp: str | None) -> Response:
+    """Ends quarantines (identical requests are admitted again); a dry run only names them."""
+    dry_run = request.query_params.get("dry_run", "") in ("1", "true")
+    gen = state.generator
+    lifted = gen.qod.lift(fp, dry_run) if gen is not None else []
+    if fp is not None and not lifted:
+        raise APIError(404, f"no quarantine of fingerprint {fp}", "quarantine_not_found")
+    if lifted and not dry_run:
+        logger.warning(
+            "quarantine lifted by the admin API: %s", ", ".join(q.fingerprint for q in lifted)
+        )
+    now = gen.qod.clock() if gen is not None else 0.0
+    return JSONResponse({"ok": True, "dry_run": dry_run, "lifted": [q.view(now) for q in lifted]})
 
 
 def _rss(pid: int | None) -> int | None:
@@ -144,6 +184,21 @@ def build_admin_app(state: ServerState) -> FastAPI:
                 "other_ready_groups": others,
             }
         )
+
+    @app.get("/admin/quarantine")
+    async def quarantine(request: Request) -> Response:
+        _check_admin(state, request)
+        return JSONResponse(_quarantine_view(state))
+
+    @app.delete("/admin/quarantine")
+    async def lift_all(request: Request) -> Response:
+        _check_admin(state, request)
+        return _lift(state, request, None)
+
+    @app.delete("/admin/quarantine/{fp}")
+    async def lift_one(fp: str, request: Request) -> Response:
+        _check_admin(state, request)
+        return _lift(state, request, fp)
 
     @app.get("/admin/config")
     async def config(request: Request) -> Response:

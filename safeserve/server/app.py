@@ -1,8 +1,10 @@
 """The HTTP frontend: OpenAI-compatible routes, health, readiness and metrics.
 
-Route handlers stay thin: validation in `protocol.py`, generation in `generate.py`, streamed and
-collected responses in `responses.py`, the request-body limit in `body_limit.py`, the group's
-processes behind `GroupClient`.
+Route handlers stay thin: the front door's checks in `edge.py` (media type, JSON depth, text),
+validation in `protocol.py`, limits and sampling parameters in `intake.py`, generation in
+`generate.py`, streamed and collected responses in `responses.py`, the request-body limit in
+`body_limit.py`, the count of every answer in `request_count.py`, the schema in `openapi.py`,
+the group's processes behind `GroupClient`.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ import asyncio
 import contextlib
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -20,23 +21,22 @@ from fastapi.responses import JSONResponse, Response
 
 from safeserve.config import ServerArgs
 from safeserve.model.checkpoint import load_model_config
-from safeserve.model.tokenizer import Tokenizer, TokenizerError, load_tokenizer
+from safeserve.model.tokenizer import Tokenizer, load_tokenizer
 from safeserve.moe.eplb.balancedness import WINDOWS as BALANCE_WINDOWS
 from safeserve.moe.eplb.balancedness import group_balancedness
+from safeserve.server import intake as I
 from safeserve.server import protocol as P
+from safeserve.server import schemas as S
 from safeserve.server.body_limit import BodySizeLimit
-from safeserve.server.errors import (
-    APIError,
-    bad_request,
-    install_route_errors,
-    require_bearer,
-    unavailable,
-)
-from safeserve.server.generate import Generation, Generator
+from safeserve.server.edge import check_content_type
+from safeserve.server.errors import APIError, install_route_errors, require_bearer
+from safeserve.server.generate import Generator
 from safeserve.server.group_client import GroupClient
 from safeserve.server.metrics import Metrics
-from safeserve.server.responses import _chat_stream, _collect, _completion_stream, _sse
-from safeserve.server.router import GroupRouter, NoGroupReady
+from safeserve.server.openapi import error_responses, install_openapi, json_body, streamed
+from safeserve.server.request_count import RequestCounter
+from safeserve.server.responses import collect_response, stream_response
+from safeserve.server.router import GroupRouter
 from safeserve.server.supervisor import Supervisor, SupervisorState
 
 logger = logging.getLogger(__name__)
@@ -90,21 +90,33 @@ def build_app(args: ServerArgs, on_fatal: Callable[[str], None] | None = None) -
                 await admin
             await asyncio.gather(*(sup.stop() for sup in state.supervisors))
 
-    app = FastAPI(title="safeserve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="safeserve",
+        version=_version(),
+        description="OpenAI-compatible API of a fault-tolerant MoE inference server",
+        lifespan=lifespan,
+        openapi_url=None,  # served by install_openapi, with the request bodies' schemas
+        docs_url=None,
+        redoc_url=None,
+    )
     app.add_middleware(BodySizeLimit, max_bytes=args.max_request_body_bytes)
+    # Outermost: counts every answer once, the body limit's 413 and a bug's 500 included.
+    app.add_middleware(RequestCounter, counter=state.metrics.requests, routes=app.router.routes)
     app.state.safeserve = state
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> Response:
-        state.metrics.requests.labels(request.url.path, str(exc.status)).inc()
         return exc.response()
 
-    # one label for every path it does not serve (not the path: clients choose those)
-    install_route_errors(
-        app, lambda status: state.metrics.requests.labels("unmatched", str(status)).inc()
+    install_route_errors(app)
+    install_openapi(
+        app,
+        [P.CompletionRequest, P.ChatCompletionRequest],
+        [S.CompletionChunk, S.ChatCompletionChunk],
+        args.model_name,
     )
 
-    @app.get("/health")
+    @app.get("/health", include_in_schema=False)
     async def health() -> Response:
         # Liveness: the frontend can make progress unless every group is FAILED for good.
         if state.supervisors and all(s.crash_loop for s in state.supervisors):
@@ -112,7 +124,7 @@ def build_app(args: ServerArgs, on_fatal: Callable[[str], None] | None = None) -
             return JSONResponse({"status": "unhealthy", "reason": reasons}, status_code=503)
         return JSONResponse({"status": "ok", "groups": _group_states(state)})
 
-    @app.get("/ready")
+    @app.get("/ready", include_in_schema=False)
     async def ready() -> Response:
         n = sum(1 for s in state.supervisors if s.ready)
         body = {
@@ -122,56 +134,60 @@ def build_app(args: ServerArgs, on_fatal: Callable[[str], None] | None = None) -
         }
         return JSONResponse(body, status_code=200 if n else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", include_in_schema=False)
     async def metrics() -> Response:
         _refresh_gauges(state)
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses={200: {"model": S.ModelList}, **error_responses(401)})
     async def models(request: Request) -> Response:
         _check_auth(state, request)
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": args.model_name,
-                        "object": "model",
-                        "created": int(state.started),
-                        "owned_by": "safeserve",
-                        "max_model_len": _max_model_len(state),
-                    }
-                ],
-            }
-        )
+        return JSONResponse({"object": "list", "data": [_model_card(state)]})
 
-    @app.post("/v1/completions")
+    @app.get(
+        "/v1/models/{model_id:path}",
+        responses={200: {"model": S.Model}, **error_responses(401, 404)},
+    )
+    async def model(request: Request, model_id: str) -> Response:
+        _check_auth(state, request)
+        _check_model(state, model_id)
+        return JSONResponse(_model_card(state))
+
+    @app.post(
+        "/v1/completions",
+        openapi_extra=json_body(P.CompletionRequest),
+        responses={
+            **streamed(S.Completion, S.CompletionChunk),
+            **error_responses(400, 401, 404, 413, 415, 422, 500, 503),
+        },
+    )
     async def completions(request: Request) -> Response:
-        _check_auth(state, request)
-        req: P.CompletionRequest = P.parse(P.CompletionRequest, await _json_body(request))
+        req: P.CompletionRequest = P.parse(P.CompletionRequest, await _json_body(state, request))
         _check_model(state, req.model)
-        prompt_ids = _completion_prompt_ids(state, req.prompt)
-        gen = _start(state, "cmpl-", prompt_ids, req, req.max_tokens, default_to_remaining=False)
-        if req.stream:
-            return _sse(request, state, gen, _completion_stream(gen, req))
-        return await _collect(request, state, gen, chat=False, return_ids=req.return_token_ids)
+        prompt_ids = I.completion_prompt_ids(state, req.prompt)
+        shape = I.completion_shape(state, req, prompt_ids)
+        gen = I.start(state, "cmpl-", prompt_ids, req, req.max_tokens, shape, False)
+        answer = stream_response if req.stream else collect_response
+        return await answer(request, state, gen, shape)
 
-    @app.post("/v1/chat/completions")
+    @app.post(
+        "/v1/chat/completions",
+        openapi_extra=json_body(P.ChatCompletionRequest),
+        responses={
+            **streamed(S.ChatCompletion, S.ChatCompletionChunk),
+            **error_responses(400, 401, 404, 413, 415, 422, 500, 503),
+        },
+    )
     async def chat_completions(request: Request) -> Response:
-        _check_auth(state, request)
-        req: P.ChatCompletionRequest = P.parse(P.ChatCompletionRequest, await _json_body(request))
+        body = await _json_body(state, request)
+        req: P.ChatCompletionRequest = P.parse(P.ChatCompletionRequest, body)
         _check_model(state, req.model)
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        try:
-            text = state.tokenizer.apply_chat_template(messages)
-        except TokenizerError as e:
-            raise bad_request(str(e), "messages") from e
-        prompt_ids = state.tokenizer.encode(text, add_special_tokens=False)
+        prompt_ids = I.chat_prompt_ids(state, req)
         max_tokens = req.max_completion_tokens or req.max_tokens
-        gen = _start(state, "chatcmpl-", prompt_ids, req, max_tokens, default_to_remaining=True)
-        if req.stream:
-            return _sse(request, state, gen, _chat_stream(gen, req))
-        return await _collect(request, state, gen, chat=True, return_ids=req.return_token_ids)
+        shape = I.chat_shape(req)
+        gen = I.start(state, "chatcmpl-", prompt_ids, req, max_tokens, shape, True)
+        answer = stream_response if req.stream else collect_response
+        return await answer(request, state, gen, shape)
 
     return app
 
@@ -232,8 +248,20 @@ def _check_auth(state: ServerState, request: Request) -> None:
     require_bearer(request.headers.get("authorization", ""), state.args.api_key)
 
 
-async def _json_body(request: Request) -> Any:
+async def _json_body(state: ServerState, request: Request) -> Any:
+    """The key first (401), then the media type (415), then the body (400)."""
+    _check_auth(state, request)
+    check_content_type(request.headers.get("content-type"))
     return P.decode_json(await request.body())
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("safeserve")
+    except PackageNotFoundError:
+        return "0"
 
 
 def _check_model(state: ServerState, name: str) -> None:
@@ -241,73 +269,14 @@ def _check_model(state: ServerState, name: str) -> None:
         raise P.not_found_model(name, state.args.model_name)
 
 
-def _max_model_len(state: ServerState) -> int:
-    for g in state.groups:
-        if g.ready_info is not None:
-            return g.ready_info.max_model_len
-    return state.args.max_model_len or state.model_config.max_position_embeddings
-
-
-def _completion_prompt_ids(state: ServerState, prompt: Any) -> list[int]:
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise bad_request(
-                "batched prompts are not supported; send one prompt per request", "prompt"
-            )
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        ids = state.tokenizer.encode(prompt)
-    else:
-        ids = list(prompt)
-        vocab = state.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in ids):
-            raise bad_request(f"prompt token ids must be in [0, {vocab})", "prompt")
-    if not ids:
-        raise bad_request("prompt is empty", "prompt")
-    return ids
-
-
-def _start(
-    state: ServerState,
-    prefix: str,
-    prompt_ids: list[int],
-    req: P._SamplingFields,
-    max_tokens: int | None,
-    default_to_remaining: bool,
-) -> Generation:
-    gen = state.generator
-    if gen is None or state.router is None or not state.router.ready():
-        raise unavailable("no group is ready to serve; retry later")
-    max_len = _max_model_len(state)
-    remaining = max_len - len(prompt_ids)
-    if remaining < 1:
-        raise bad_request(
-            f"prompt has {len(prompt_ids)} tokens; the context length is {max_len}", "prompt"
-        )
-    if max_tokens is None:
-        max_tokens = remaining if default_to_remaining else min(16, remaining)
-    if len(prompt_ids) + max_tokens > max_len:
-        raise bad_request(
-            f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceeds the context "
-            f"length {max_len}",
-            "max_tokens",
-        )
-    from safeserve.messages import SamplingParams
-
-    top_k = 0 if req.top_k in (-1, 0) else req.top_k
-    params = SamplingParams(
-        max_tokens=max_tokens,
-        temperature=req.temperature,
-        top_p=req.top_p,
-        top_k=top_k,
-        seed=req.seed,
-        stop_token_ids=list(req.stop_token_ids or []),
-        ignore_eos=req.ignore_eos,
-    )
-    try:
-        return gen.start(prefix + uuid.uuid4().hex, prompt_ids, params, req.stop_strings())
-    except NoGroupReady as e:
-        raise unavailable("no group is ready to serve; retry later") from e
+def _model_card(state: ServerState) -> dict[str, Any]:
+    return {
+        "id": state.args.model_name,
+        "object": "model",
+        "created": int(state.started),
+        "owned_by": "safeserve",
+        "max_model_len": I.max_model_len(state),
+    }
 
 
 def _refresh_gauges(state: ServerState) -> None:

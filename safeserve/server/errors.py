@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hmac
-from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -17,6 +16,8 @@ _TYPES = {
     405: "invalid_request_error",
     409: "conflict_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
+    422: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_server_error",
     503: "service_unavailable",
@@ -77,10 +78,10 @@ def unavailable(message: str, retry_after: float = 1.0) -> APIError:
     return APIError(503, message, "service_unavailable", retry_after=retry_after)
 
 
-def install_route_errors(app: FastAPI, count: Callable[[int], None] | None = None) -> None:
+def install_route_errors(app: FastAPI) -> None:
     """A path the app does not serve (404), a method it does not take there (405) or a path
     parameter of the wrong type (400) answers in the same OpenAI error shape as every other
-    error; `count(status)` is told of each."""
+    error."""
 
     @app.exception_handler(HTTPException)
     async def _route_error(request: Request, exc: HTTPException) -> Response:
@@ -91,8 +92,6 @@ def install_route_errors(app: FastAPI, count: Callable[[int], None] | None = Non
             err = APIError(405, f"method not allowed: {where}", "method_not_allowed")
         else:
             err = APIError(exc.status_code, str(exc.detail))
-        if count is not None:
-            count(exc.status_code)
         return err.response(dict(exc.headers or {}))
 
     @app.exception_handler(RequestValidationError)
@@ -100,6 +99,4 @@ def install_route_errors(app: FastAPI, count: Callable[[int], None] | None = Non
         # a path parameter of the wrong type (bodies are validated by the endpoints themselves)
         first = exc.errors()[0] if exc.errors() else {}
         field = str(first.get("loc", ["", "?"])[-1])
-        if count is not None:
-            count(400)
         return bad_request(f"{field}: {first.get('msg', 'invalid')}", field).response()

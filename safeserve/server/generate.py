@@ -2,7 +2,10 @@
 at stop strings, time it, cancel it in its group when the client goes away, and, when its group
 fails, continue it on another group as a continuation (prompt + every token already produced,
 the remaining `max_tokens`, the same sampling and seed), so the client's stream goes on with no
-token lost or repeated.
+token lost or repeated. A request that was in flight on a failed group is a suspect: it migrates
+once, onto a group holding no other suspect, and is quarantined if that group fails too
+(`safeserve.guards.quarantine`). An engine error in the request alone ends that request (500
+`internal_error`); its group is fine, so it is not retried.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from dataclasses import dataclass, field
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from safeserve.config import ServerArgs
+from safeserve.guards.quarantine import Quarantine, QueryOfDeath, fingerprint
 from safeserve.messages import RequestOutput, SamplingParams, TokenLogprob
 from safeserve.model.tokenizer import Tokenizer
 from safeserve.server.detokenizer import IncrementalDetokenizer
@@ -48,9 +52,11 @@ class Generation:
         prompt_ids: list[int],
         params: SamplingParams,
         stop: list[str],
+        fp: str = "",
     ) -> None:
         self.owner = gen
         self.rid = rid
+        self.fingerprint = fp  # of the original prompt and sampling, computed at admission
         self.model = gen.model_name
         self.prompt_ids = prompt_ids
         self.params = params
@@ -84,9 +90,10 @@ class Generation:
                 if out.finish_reason == "group_failed":
                     await self._migrate()
                     continue
-                if out.finish_reason == "error":
+                if out.finish_reason == "error":  # this request alone failed; its group is fine
                     self.finished = True
-                    raise APIError(500, "the engine refused this request", "engine_error")
+                    why = out.error or "the engine ended it with an error and gave no reason"
+                    raise APIError(500, f"internal error in this request: {why}", "internal_error")
                 now = time.monotonic()
                 if out.new_token_ids and self.first_token_at is None:
                     self.first_token_at = now
@@ -117,7 +124,9 @@ class Generation:
             raise APIError(500, f"internal error: {type(e).__name__}", "internal_error") from e
 
     async def _migrate(self) -> None:
-        """Continues the request on another READY group, within its attempts and the budget."""
+        """Continues the request on another READY group, within its attempts: as a suspect
+        (once, on a group holding no other suspect; quarantined if it already was one), or,
+        with the query-of-death rule off, within the retry budget."""
         gen, args = self.owner, self.owner.args
         failed_group = self.supervisor.group
         left = args.max_request_attempts - self.attempts
@@ -125,14 +134,25 @@ class Generation:
         if remaining <= 0:  # everything was produced; only the finish was lost with the group
             self._pending = RequestOutput(self.rid, [], "length", self.num_prompt_tokens, 0)
             return
+        if gen.qod.enabled:
+            quarantine = gen.qod.group_failed(self.rid, self.fingerprint, failed_group)
+            if quarantine is not None:
+                self._quarantined(quarantine)
         if left <= 0:
             self._give_up(f"its group failed and it already used {self.attempts} attempts")
         params = dataclasses.replace(
             self.params,
             max_tokens=remaining,
             output_offset=self.params.output_offset + len(self.produced),
+            # the prompt's logprobs came with the first output: not again over a longer prompt
+            prompt_logprobs=None
+            if self.prompt_logprobs is not None
+            else self.params.prompt_logprobs,
         )
         prompt = self.prompt_ids + self.produced
+        if gen.qod.enabled:
+            await self._migrate_suspect(prompt, params, failed_group)
+            return
         try:
             async for attempt in AsyncRetrying(
                 stop=stop_after_attempt(left),
@@ -166,6 +186,57 @@ class Generation:
             self._give_up("no group could take it over within its attempts")
         self.base_outputs = self.num_output_tokens
 
+    async def _migrate_suspect(
+        self, prompt: list[int], params: SamplingParams, failed_group: int
+    ) -> None:
+        """One attempt, on a READY group that holds no other suspect (waiting for one)."""
+        gen, args = self.owner, self.owner.args
+        self.attempts += 1
+        gen.metrics.retries.inc()
+        try:
+            sup = await gen.router.wait_pick(
+                args.migration_wait_s, exclude=failed_group, avoid=gen.qod.suspect_groups
+            )
+        except NoGroupReady:
+            self._give_up(
+                f"no READY group free of other suspects took it within {args.migration_wait_s:g} s"
+            )
+        gen.qod.place(self.rid, sup.group)  # no await since the pick: no other suspect got it
+        self.supervisor = sup
+        self.queue = sup.client.submit(self.rid, prompt, params)  # type: ignore[union-attr]
+        gen.metrics.migrations.inc()
+        logger.warning(
+            "request %s (fingerprint %s) was in flight on group %d when it failed (%d tokens "
+            "produced): suspect, continuing on group %d; if that group fails too it is quarantined",
+            self.rid,
+            self.fingerprint,
+            failed_group,
+            len(self.produced),
+            sup.group,
+        )
+        self.base_outputs = self.num_output_tokens
+
+    def _quarantined(self, q: Quarantine) -> None:
+        self.finished = True
+        self.owner.metrics.quarantined.inc()
+        a, b = q.groups
+        logger.error(
+            "request %s quarantined (fingerprint %s): in flight on group %d and then on group %d "
+            "when each failed; not retried, identical requests refused for %.0f s",
+            self.rid,
+            q.fingerprint,
+            a,
+            b,
+            self.owner.args.quarantine_s,
+        )
+        raise APIError(
+            422,
+            f"this request was in flight on group {a} and then on group {b} when each failed: "
+            f"it is quarantined, not retried, and identical requests (fingerprint "
+            f"{q.fingerprint}) are refused for {self.owner.args.quarantine_s:.0f} s",
+            "request_quarantined",
+        )
+
     def _give_up(self, why: str) -> None:
         self.finished = True
         self.owner.metrics.failed_after_retries.inc()
@@ -195,6 +266,9 @@ class Generation:
             client.release(self.rid)
         self.owner.active.pop(self.rid, None)
         self.owner.router.active = len(self.owner.active)
+        if self.owner.qod.clear(self.rid):
+            self.owner.metrics.suspects_cleared.inc()
+            self.owner.router.notify()  # its group holds no suspect now
 
 
 class Generator:
@@ -212,11 +286,32 @@ class Generator:
         self.metrics = metrics
         self.model_name = model_name
         self.active: dict[str, Generation] = {}
+        self.qod = QueryOfDeath(args.quarantine_s)
+        metrics.suspects.set_function(lambda: len(self.qod.suspects))
+        metrics.quarantine_fingerprints.set_function(lambda: len(self.qod.held()))
 
     def start(
         self, rid: str, prompt_ids: list[int], params: SamplingParams, stop: list[str]
     ) -> Generation:
-        gen = Generation(self, rid, prompt_ids, params, stop)
+        gen = Generation(self, rid, prompt_ids, params, stop, self.admit(prompt_ids, params))
         self.active[rid] = gen
         self.router.active = len(self.active)
         return gen
+
+    def admit(self, prompt_ids: list[int], params: SamplingParams) -> str:
+        """The request's fingerprint; 422 `request_quarantined` (with Retry-After) if an
+        identical request is quarantined. `start` calls it; the edge may call it first, so a
+        quarantined request is refused even while no group is READY."""
+        fp = fingerprint(prompt_ids, params)
+        if (q := self.qod.refusal(fp)) is not None:
+            self.metrics.quarantine_refusals.inc()
+            left = self.qod.remaining_s(q)
+            raise APIError(
+                422,
+                f"an identical request (fingerprint {fp}) was in flight on groups {q.groups[0]} "
+                f"and {q.groups[1]} when each failed: refused for another {left:.0f} s "
+                "(an operator can lift it: safeserve oncall lift quarantine)",
+                "request_quarantined",
+                retry_after=max(1.0, left),
+            )
+        return fp

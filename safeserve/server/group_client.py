@@ -24,7 +24,7 @@ import zmq.asyncio
 
 from safeserve.config import ServerArgs
 from safeserve.engine.rank_worker import GroupAddresses, run_rank
-from safeserve.guards.watchdog import Verdict, Watchdog
+from safeserve.guards.watchdog import Verdict, Watchdog, death_verdict, signal_name
 from safeserve.messages import (
     AbortRequest,
     EngineStats,
@@ -41,6 +41,10 @@ from safeserve.messages import (
 from safeserve.server.metrics import Metrics
 
 logger = logging.getLogger(__name__)
+
+# How long a rank's death may take to settle (its exit code known, the fatal error it reported
+# read) before the verdict is given: the verdict then names the culprit and its cause.
+SETTLE_S = 0.5
 
 
 def _free_port() -> int:
@@ -88,6 +92,10 @@ class GroupClient:
         self.state = GroupState.STARTING
         self.ready_info: GroupReady | None = None
         self.fatal: str | None = None
+        # rank -> the fatal error it reported (GroupFatal), in the order they came
+        self.reports: dict[int, str] = {}
+        self._fencing = False  # a death is being settled: no new requests, verdict coming
+        self._gone_at: dict[int, float] = {}  # rank -> when first seen gone (orders culprits)
         self.stats = EngineStats()
         self.ranks = {r: RankStatus(r) for r in range(args.tp_size)}
         self.queues: dict[str, asyncio.Queue[RequestOutput]] = {}
@@ -166,7 +174,7 @@ class GroupClient:
 
     @property
     def ready(self) -> bool:
-        return self.state is GroupState.READY
+        return self.state is GroupState.READY and not self._fencing
 
     # -- requests -------------------------------------------------------------------------------
     def submit(
@@ -212,16 +220,13 @@ class GroupClient:
                     msg.num_kv_blocks,
                 )
             elif isinstance(msg, GroupFatal):
+                self.reports.setdefault(msg.rank, msg.message)
                 if self.state is GroupState.READY:
-                    # A peer's collective usually fails first when a rank dies: name the dead one.
-                    alive = {r: p.is_alive() for r, p in enumerate(self.processes)}
-                    codes = {r: p.exitcode for r, p in enumerate(self.processes)}
-                    for verdict in self.watchdog.check(self.group, self.ranks, alive, False, codes):
-                        if verdict.kind == "dead":
-                            self._record(verdict)
-                            self._fail(f"watchdog: dead: {verdict.reason}")
-                            break
-                self._fail(f"rank {msg.rank}: {msg.message}")
+                    # The reporter is exiting; a peer's collective often fails first when a rank
+                    # dies: the verdict waits for the exits to settle (reading on meanwhile).
+                    self._tasks.append(asyncio.create_task(self._fence_death(msg.rank)))
+                else:
+                    self._fail(f"rank {msg.rank}: {msg.message}")
 
     async def _read_heartbeats(self) -> None:
         while True:
@@ -261,13 +266,61 @@ class GroupClient:
                         self._fail(f"rank {dead[0]} (pid {p.pid}) exited with code {p.exitcode}")
                 continue
             codes = {r: p.exitcode for r, p in enumerate(self.processes)}
-            for verdict in self.watchdog.check(self.group, self.ranks, alive, self.has_work, codes):
+            self._note_gone(alive)
+            verdicts = self.watchdog.check(
+                self.group, self.ranks, alive, self.has_work, codes, self.reports, self._gone_at
+            )
+            if verdicts and verdicts[0].kind in ("dead", "crashed"):
+                await self._fence_death()
+                return
+            for verdict in verdicts:
                 self._record(verdict)
                 if verdict.fences:
                     self._fail(f"watchdog: {verdict.kind}: {verdict.reason}")
                     break
             for r, st in self.ranks.items():
                 st.utilization = self.watchdog.track(self.group, r).utilization
+
+    async def _fence_death(self, reporter: int | None = None) -> None:
+        """A rank is gone, or reported a fatal error and is going: wait (at most SETTLE_S) until
+        every dead rank's exit code is known and a rank that exited 1 had its report read, so
+        the verdict names the culprit and the cause (`crashed` with its error; `dead` with the
+        signal or exit code); then record it and fail the group. No new requests meanwhile."""
+        if self._fencing or self.state is not GroupState.READY:
+            return
+        self._fencing = True
+        deadline = time.monotonic() + SETTLE_S
+        while True:
+            alive = {r: p.is_alive() for r, p in enumerate(self.processes)}
+            codes = {r: p.exitcode for r, p in enumerate(self.processes)}
+            self._note_gone(alive)
+            settled = (reporter is None or not alive.get(reporter, False)) and all(
+                codes[r] is not None and (r in self.reports or signal_name(codes[r]) is not None)
+                for r, ok in alive.items()
+                if not ok
+            )
+            if settled or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(0.02)
+        if self.state is not GroupState.READY:
+            return
+        verdicts = self.watchdog.check(
+            self.group, self.ranks, alive, False, codes, self.reports, self._gone_at
+        )
+        if verdicts and verdicts[0].kind in ("dead", "crashed"):
+            verdict = verdicts[0]
+        else:  # the reporter has not exited (yet): its report is the cause all the same
+            rank = reporter if reporter is not None else 0
+            pid = self.ranks[rank].pid if rank in self.ranks else None
+            verdict = death_verdict(self.group, rank, pid, None, self.reports.get(rank))
+        self._record(verdict)
+        self._fail(f"watchdog: {verdict.kind}: {verdict.reason}")
+
+    def _note_gone(self, alive: dict[int, bool]) -> None:
+        now = time.time()
+        for r, ok in alive.items():
+            if not ok:
+                self._gone_at.setdefault(r, now)
 
     def _record(self, verdict: Verdict) -> None:
         self.verdicts.append(verdict)

@@ -102,7 +102,7 @@ class Metrics:
         )
         self.watchdog_verdicts = Counter(
             PREFIX + "watchdog_verdicts",
-            "Watchdog verdicts: dead and stalled fence the group; slow is reported only.",
+            "Watchdog verdicts: dead, crashed and stalled fence the group; slow is reported only.",
             ["group", "verdict"],
             registry=r,
         )
@@ -179,6 +179,35 @@ class Metrics:
         self.failed_after_retries = Counter(
             PREFIX + "requests_failed_after_retries",
             "Requests answered 503 after their attempts or the retry budget ran out.",
+            registry=r,
+        )
+        self.suspects = Gauge(
+            PREFIX + "requests_suspect",
+            "Requests that were in flight on a group when it failed, not yet ended (running on "
+            "another group, or waiting for one that holds no other suspect).",
+            registry=r,
+        )
+        self.suspects_cleared = Counter(
+            PREFIX + "requests_suspect_cleared",
+            "Suspects that ended without a second group failing under them (completed, ended "
+            "by their client, or failed cleanly).",
+            registry=r,
+        )
+        self.quarantined = Counter(
+            PREFIX + "requests_quarantined",
+            "Requests in flight on two groups when each failed: answered 422 "
+            "request_quarantined, never retried.",
+            registry=r,
+        )
+        self.quarantine_refusals = Counter(
+            PREFIX + "quarantine_refusals",
+            "Requests refused at admission (422 request_quarantined): identical to a "
+            "quarantined one.",
+            registry=r,
+        )
+        self.quarantine_fingerprints = Gauge(
+            PREFIX + "quarantine_fingerprints",
+            "Fingerprints refused at admission now (at most 10,000; each for --quarantine-s).",
             registry=r,
         )
         self.in_flight = Gauge(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any, Literal
 
@@ -16,29 +15,37 @@ from pydantic import (
     model_validator,
 )
 
+from safeserve.messages import REQUEST_FAULTS
+from safeserve.server.edge import decode_json, user_path
 from safeserve.server.errors import APIError, bad_request
 
+__all__ = ["decode_json", "parse"]
+
 MAX_STOP_STRINGS = 16
+# Most likely tokens a request may ask for with each logprob (OpenAI: 5 for completions, 20
+# for chat; both take 20 here).
+MAX_TOP_LOGPROBS = 20
 
 # Fields (of either request) that would change the answer and that this server cannot honour:
 # refused with 400 when set to anything but their neutral value, never ignored.
 _UNSUPPORTED = {
     "logit_bias": "logit_bias is not supported",
     "suffix": "suffix is not supported",
-    "echo": "echo is not supported",
-    "top_logprobs": "logprobs are not supported",
 }
 
 
+_STRICT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = _STRICT
     include_usage: bool = False
 
 
 class _SamplingFields(BaseModel):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = _STRICT
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -58,6 +65,17 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     return_token_ids: bool = False
     logit_bias: dict[str, Any] | None = None
+    # Fault injection only (--enable-fault-injection): the engine fails this request.
+    safeserve_fault: str | None = Field(
+        default=None, json_schema_extra={"enum": list(REQUEST_FAULTS)}
+    )
+
+    @field_validator("safeserve_fault")
+    @classmethod
+    def _known_fault(cls, v: str | None) -> str | None:
+        if v is not None and v not in REQUEST_FAULTS:
+            raise ValueError(f"must be one of {', '.join(REQUEST_FAULTS)}")
+        return v
 
     @field_validator(*_UNSUPPORTED, check_fields=False)
     @classmethod
@@ -96,9 +114,10 @@ class _SamplingFields(BaseModel):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)
+    # 0 only with `echo` (scoring the prompt: lm-eval's loglikelihood requests).
+    max_tokens: int | None = Field(default=16, ge=0)
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     best_of: int | None = None
     suffix: str | None = None
 
@@ -109,36 +128,42 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("best_of > 1 is not supported")
         return v
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v: int | None) -> int | None:
-        if v is not None:
-            raise ValueError("logprobs are not supported")
-        return v
+    @model_validator(mode="after")
+    def _tokens_wanted(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise bad_request("max_tokens must be at least 1 (0 only with echo)", "max_tokens")
+        return self
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = _STRICT
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = _STRICT
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: str | list[ContentPart]
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _has_content(cls, v: Any) -> Any:
+        if v is None:
+            raise ValueError("must be a string or a list of text parts, not null")
+        return v
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(p.text for p in self.content)
-        return self.content or ""
+        return self.content
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     # No tool-call parser and no constrained decoding: a request that asks for tool calls or a
     # JSON answer is refused rather than answered with plain text. Tools sent with tool_choice
     # "none" (the model must not call them) pass.
@@ -147,13 +172,6 @@ class ChatCompletionRequest(_SamplingFields):
     functions: list[Any] | None = None
     function_call: Any = None
     response_format: dict[str, Any] | None = None
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("logprobs are not supported")
-        return v
 
     @field_validator("response_format")
     @classmethod
@@ -165,6 +183,8 @@ class ChatCompletionRequest(_SamplingFields):
 
     @model_validator(mode="after")
     def _no_tool_calls(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         for tools, choice, name in (
             (self.tools, self.tool_choice, "tools"),
             (self.functions, self.function_call, "functions"),
@@ -180,25 +200,46 @@ class ChatCompletionRequest(_SamplingFields):
         return self
 
 
-def decode_json(raw: bytes) -> Any:
-    """A request body as JSON, or one 400."""
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise bad_request(f"malformed JSON body: {e}") from e
-
-
 def parse(model: type[BaseModel], body: Any) -> Any:
-    """Validate a decoded JSON body; any problem is one 400 naming the field."""
+    """Validate a decoded JSON body; any problem is one 400 naming the field as the client
+    wrote it (`messages[0].content`, never pydantic's `messages.0.content.str`)."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     try:
         return model.model_validate(body)
     except ValidationError as e:
-        err = e.errors()[0]
-        loc = ".".join(str(p) for p in err["loc"]) or None
-        msg = err["msg"].removeprefix("Value error, ")
-        raise bad_request(f"{loc}: {msg}" if loc else msg, param=loc) from e
+        errors = [(_field_of(x, body), _message(x)) for x in e.errors(include_url=False)]
+        # The deepest field that failed (of a union, the member that came nearest), and what
+        # each member would have needed there.
+        param = max((f for f, _ in errors), key=lambda f: len(f or ""))
+        msgs = [m for f, m in errors if f == param]
+        msg = "; or ".join(dict.fromkeys(msgs))
+        raise bad_request(f"{param}: {msg}" if param else msg, param=param) from e
+
+
+def _message(err: Any) -> str:
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    return msg[:1].lower() + msg[1:]
+
+
+def _field_of(err: Any, body: Any) -> str | None:
+    """The user-level path of a validation error: the location's parts that name keys and
+    indices of the body, without the union members' tags (`str`, `list[int]`, ...)."""
+    parts: list[str | int] = []
+    node = body
+    loc = list(err["loc"])
+    for i, p in enumerate(loc):
+        if isinstance(node, dict) and isinstance(p, str) and p in node:
+            node = node[p]
+        elif isinstance(node, list) and isinstance(p, int) and 0 <= p < len(node):
+            node = node[p]
+        elif err["type"] == "missing" and i == len(loc) - 1:
+            parts.append(p)  # a missing field
+            break
+        else:
+            continue  # a union member's tag
+        parts.append(p)
+    return user_path(parts) or None
 
 
 def not_found_model(name: str, served: str) -> APIError:
@@ -220,9 +261,20 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 def completion_response(
-    rid: str, model: str, text: str, finish: str | None, use: dict, token_ids: list[int] | None
+    rid: str,
+    model: str,
+    text: str,
+    finish: str | None,
+    use: dict,
+    token_ids: list[int] | None,
+    logprobs: dict | None = None,
 ) -> dict:
-    choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    choice: dict[str, Any] = {
+        "index": 0,
+        "text": text,
+        "logprobs": logprobs,
+        "finish_reason": finish,
+    }
     if token_ids is not None:
         choice["token_ids"] = token_ids
     return {
@@ -243,6 +295,7 @@ def completion_chunk(
     use: dict | None = None,
     token_ids: list[int] | None = None,
     empty: bool = False,
+    logprobs: dict | None = None,
 ) -> dict:
     chunk: dict[str, Any] = {
         "id": rid,
@@ -250,7 +303,12 @@ def completion_chunk(
         "created": int(time.time()),
         "model": model,
     }
-    choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    choice: dict[str, Any] = {
+        "index": 0,
+        "text": text,
+        "logprobs": logprobs,
+        "finish_reason": finish,
+    }
     if token_ids is not None:
         choice["token_ids"] = token_ids
     chunk["choices"] = [] if empty else [choice]
@@ -260,12 +318,18 @@ def completion_chunk(
 
 
 def chat_response(
-    rid: str, model: str, text: str, finish: str | None, use: dict, token_ids: list[int] | None
+    rid: str,
+    model: str,
+    text: str,
+    finish: str | None,
+    use: dict,
+    token_ids: list[int] | None,
+    logprobs: dict | None = None,
 ) -> dict:
     choice: dict[str, Any] = {
         "index": 0,
         "message": {"role": "assistant", "content": text},
-        "logprobs": None,
+        "logprobs": logprobs,
         "finish_reason": finish,
     }
     if token_ids is not None:
@@ -288,8 +352,14 @@ def chat_chunk(
     use: dict | None = None,
     token_ids: list[int] | None = None,
     empty: bool = False,
+    logprobs: dict | None = None,
 ) -> dict:
-    choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    choice: dict[str, Any] = {
+        "index": 0,
+        "delta": delta,
+        "logprobs": logprobs,
+        "finish_reason": finish,
+    }
     if token_ids is not None:
         choice["token_ids"] = token_ids
     chunk: dict[str, Any] = {

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Collection
 
 from safeserve.server.supervisor import Supervisor
 
@@ -37,17 +37,26 @@ class GroupRouter:
     def ready(self) -> list[Supervisor]:
         return [s for s in self.supervisors if s.ready]
 
-    def pick(self, exclude: int | None = None) -> Supervisor:
-        ready = [s for s in self.ready() if s.group != exclude] or self.ready()
+    def pick(self, exclude: int | None = None, avoid: Collection[int] = ()) -> Supervisor:
+        """The least-loaded READY group, other than `exclude` if there is one, never one in
+        `avoid` (the groups holding a suspect, for a suspect's placement)."""
+        allowed = [s for s in self.ready() if s.group not in avoid]
+        ready = [s for s in allowed if s.group != exclude] or allowed
         if not ready:
             raise NoGroupReady
         return min(ready, key=lambda s: (s.load, s.group))
 
-    async def wait_pick(self, timeout: float, exclude: int | None = None) -> Supervisor:
+    async def wait_pick(
+        self,
+        timeout: float,
+        exclude: int | None = None,
+        avoid: Callable[[], Collection[int]] | None = None,
+    ) -> Supervisor:
+        """`pick`, waiting up to `timeout` for a group; `avoid()` is asked at every try."""
         deadline = asyncio.get_running_loop().time() + timeout
         while True:
             try:
-                return self.pick(exclude)
+                return self.pick(exclude, avoid() if avoid is not None else ())
             except NoGroupReady:
                 left = deadline - asyncio.get_running_loop().time()
                 if left <= 0:

@@ -2,7 +2,8 @@
 
 States: `STARTING -> READY -> DRAINING -> DRAINED`, and `READY|DRAINING -> FAILED -> RESTARTING ->
 STARTING`. Each start is a fresh incarnation (`GroupClient`: new processes, new sockets), so
-nothing queued for a dead incarnation reaches the next one. A group that fails
+nothing queued for a dead incarnation reaches the next one. A failed group that restarts by
+itself is RESTARTING from its failure on, the backoff wait included. A group that fails
 `--crash-loop-failures` times within `--crash-loop-window-s` stays FAILED (`crash_loop`) until an
 operator restarts it.
 """
@@ -59,6 +60,8 @@ class Supervisor:
         self._tasks: set[asyncio.Task] = set()
         self._restart_after_drain = False
         self._stopping = False
+        self._backoff: asyncio.Task | None = None  # the restart a failure scheduled
+        self._restarting = False  # a restart is past its backoff, stopping the old incarnation
         # (wall time, state) of every change, and the verdicts of earlier incarnations: what an
         # operator (and a chaos run) reads to time detection and recovery.
         self.events: deque[tuple[float, str]] = deque([(time.time(), self.state.value)], HISTORY)
@@ -102,11 +105,16 @@ class Supervisor:
             return f"group {self.group} is {st.value}, not READY"
         if action == "undrain" and st not in (SupervisorState.DRAINING, SupervisorState.DRAINED):
             return f"group {self.group} is {st.value}, not DRAINING or DRAINED"
-        if action == "restart" and st not in (
-            SupervisorState.FAILED,
-            SupervisorState.READY,
-            SupervisorState.DRAINING,
-            SupervisorState.DRAINED,
+        if (
+            action == "restart"
+            and not self.in_backoff
+            and st
+            not in (
+                SupervisorState.FAILED,
+                SupervisorState.READY,
+                SupervisorState.DRAINING,
+                SupervisorState.DRAINED,
+            )
         ):
             return f"group {self.group} is {st.value}; cannot restart now"
         return None
@@ -125,13 +133,16 @@ class Supervisor:
         self._set(SupervisorState.READY)
 
     def restart(self) -> None:
-        """Drain, then restart (a FAILED group, crash-looped or not, restarts at once)."""
+        """Drain, then restart (a FAILED group, crash-looped or not, restarts at once). On
+        return the state is where the restart stands: DRAINING, or RESTARTING."""
         if (why := self.refusal("restart")) is not None:
             raise ValueError(why)
-        if self.state is SupervisorState.FAILED:
+        if self.state is SupervisorState.FAILED or self.in_backoff:
             self.crash_loop = False
             self.failures.clear()
-            self._spawn(self._restart(delay=0.0))
+            if self._backoff is not None:  # the operator's restart replaces the scheduled one
+                self._backoff.cancel()
+            self._restart_now()
             return
         if self.state is SupervisorState.READY:
             self._restart_after_drain = True
@@ -140,7 +151,11 @@ class Supervisor:
         if self.state in (SupervisorState.DRAINING, SupervisorState.DRAINED):
             self._restart_after_drain = True
             if self.state is SupervisorState.DRAINED:
-                self._spawn(self._restart(delay=0.0))
+                self._restart_now()
+
+    def _restart_now(self) -> None:
+        self._set(SupervisorState.RESTARTING)  # now, not when the task first runs
+        self._spawn(self._restart(delay=0.0))
 
     async def _drain_watch(self) -> None:
         while self.state is SupervisorState.DRAINING:
@@ -178,11 +193,20 @@ class Supervisor:
             return
         delay = self.args.restart_backoff_s * 2 ** (len(self.failures) - 1)
         logger.warning("group %d failed (%s); restarting in %.1f s", self.group, reason, delay)
-        self._spawn(self._restart(delay))
+        # A group that restarts by itself is RESTARTING from now on, its backoff included: only
+        # a crash-looped group stays FAILED (the FAILED event above is what detection reads).
+        self._set(SupervisorState.RESTARTING)
+        self._backoff = self._spawn(self._restart(delay))
+
+    @property
+    def in_backoff(self) -> bool:
+        """RESTARTING, still waiting out the backoff of its last failure."""
+        return self._backoff is not None and not self._backoff.done() and not self._restarting
 
     async def _restart(self, delay: float) -> None:
         if delay > 0:
             await asyncio.sleep(delay)
+        self._restarting = True
         self._set(SupervisorState.RESTARTING)
         old = self.client
         if old is not None:
@@ -192,6 +216,7 @@ class Supervisor:
         self.restarts_total += 1
         self.metrics.group_restarts.labels(str(self.group)).inc()
         logger.info("group %d restarting (restart %d)", self.group, self.restarts_total)
+        self._restarting = False
         self.start()
 
     # -- helpers --------------------------------------------------------------------------------
@@ -212,10 +237,11 @@ class Supervisor:
             self.metrics.group_state.labels(str(self.group), s.value).set(1 if s is state else 0)
         self.on_change()
 
-    def _spawn(self, coro) -> None:  # type: ignore[no-untyped-def]
+    def _spawn(self, coro) -> asyncio.Task:  # type: ignore[no-untyped-def]
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     def verdicts(self) -> list[Verdict]:
         """Watchdog verdicts of every incarnation, oldest first."""

@@ -203,3 +203,63 @@ def test_an_action_still_under_way_is_not_reported_done() -> None:
     r = {"group": 2, "state": "RESTARTING", "in_flight": 0, "other_ready_groups": []}
     assert "under way" in _act_line("restart", False, r)
     assert "other READY groups: none" in _act_line("restart", False, r)
+
+
+def test_a_restart_says_the_group_is_starting_not_failed() -> None:
+    """`restart group N` of a FAILED group: the server answers RESTARTING (the new incarnation
+    is on its way); the line says so and how to follow it, also from a server that answered
+    FAILED before it moved on."""
+    from safeserve.oncall.cli import _act_line
+
+    for state in ("RESTARTING", "FAILED"):
+        r = {"group": 1, "state": state, "in_flight": 0, "other_ready_groups": [0]}
+        line = _act_line("restart", False, r)
+        assert line.startswith(f"group 1 restart: under way (now {state}, 0 in flight;")
+        assert "a new incarnation is starting; it takes requests again once READY" in line
+        assert "safeserve oncall describe group 1" in line and "done" not in line
+    r = {"group": 0, "state": "DRAINING", "in_flight": 2, "other_ready_groups": [1]}
+    assert "it restarts once its in-flight requests finish" in _act_line("restart", False, r)
+
+
+def test_quarantine_views_and_the_runbook_a_crash_points_to() -> None:
+    from safeserve.oncall.views import (
+        describe_group,
+        lift_lines,
+        quarantine_table,
+        runbooks_for,
+        suspects_table,
+    )
+
+    q = {"fingerprint": "ab12", "rid": "cmpl-9", "groups": [0, 1], "at": 0.0}
+    q |= {"expires_in_s": 540.0, "refused": 20}
+    s = {"rid": "cmpl-3", "fingerprint": "cd34", "failed_group": 1, "group": 0, "since": 0.0}
+    rows = quarantine_table({"quarantined": [q]}, now=60.0).splitlines()
+    assert rows[0].split() == [
+        "FINGERPRINT",
+        "RID",
+        "GROUPS",
+        "QUARANTINED",
+        "EXPIRES-IN",
+        "REFUSED",
+    ]
+    assert rows[1].split() == ["ab12", "cmpl-9", "0,1", "60s", "ago", "540s", "20"]
+    assert suspects_table({"suspects": [s]}, now=5.0).splitlines()[1].split()[:4] == [
+        "cmpl-3",
+        "cd34",
+        "1",
+        "0",
+    ]
+    g = {"id": 0, "state": "READY", "ranks": [], "running": 1, "waiting": 0, "in_flight": 1}
+    g |= {"failures": 1, "restarts": 1, "suspects": [s], "quarantined": [q]}
+    crashed = {"kind": "crashed", "rank": 1, "reason": "rank 1 crashed: E: x", "at": 0.0}
+    g["verdicts"] = [crashed]
+    books = dict(runbooks_for(g, [g], now=10.0))
+    assert "query-of-death" in books and "ab12" in books["query-of-death"]
+    assert "watchdog verdict crashed on rank 1" in dict(
+        runbooks_for({**g, "quarantined": []}, [g], now=10.0)
+    ).get("query-of-death", "")
+    desc = describe_group(g, [g], now=10.0)
+    assert "cmpl-3  fingerprint cd34, was on group 1" in desc.split("Suspects:")[1]
+    assert "ab12  cmpl-9 crashed groups 0 and 1" in desc.split("Quarantined:")[1]
+    assert lift_lines({"dry_run": True, "lifted": [q]}) == "would lift 1 quarantine(s): ab12"
+    assert lift_lines({"dry_run": False, "lifted": []}).startswith("lifted 0 quarantine(s): none")

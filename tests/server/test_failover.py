@@ -136,7 +136,11 @@ def test_failed_rank_costs_its_group_only_and_no_request(server_factory, sig) ->
     assert _metric(s.url, "safeserve:group_failures_total", '{group="0"}') == 1
     assert _metric(s.url, "safeserve:group_restarts_total", '{group="0"}') == 1
     assert _metric(s.url, "safeserve:group_failures_total", '{group="1"}') == 0
-    assert _metric(s.url, "safeserve:request_migrations_total") >= 1
+    moved = _metric(s.url, "safeserve:request_migrations_total")
+    assert moved >= 1
+    # each of group 0's requests was a suspect, moved once and cleared when it finished
+    assert _metric(s.url, "safeserve:requests_suspect_cleared_total") == moved
+    assert _metric(s.url, "safeserve:requests_quarantined_total") == 0
     assert _metric(s.url, "safeserve:requests_lost_total") == 0
     if sig == signal.SIGSTOP:
         try:
@@ -200,7 +204,10 @@ def test_crash_loop_stays_failed_while_the_other_group_serves(server_factory) ->
 
 
 def test_second_fault_during_restart_hits_the_other_group(server_factory) -> None:
-    """Group 0 dies; while it restarts, group 1 dies too: requests wait or retry, none is lost."""
+    """Group 0 dies; while it restarts, group 1 dies too: requests wait or retry, none is lost.
+    Group 0's requests are suspects, moved one per group: the one in flight on group 1 when it
+    dies crashed two groups to the frontend's eyes, and is quarantined (an error event with
+    `request_quarantined`); every other request finishes with every token."""
     s = server_factory(GROUPS)
     ref = asyncio.run(_reference(s.url))
     first = _groups(s)[0]["ranks"][1]["pid"]
@@ -214,11 +221,17 @@ def test_second_fault_during_restart_hits_the_other_group(server_factory) -> Non
         return t
 
     results = asyncio.run(_stream_all(s.url, faults))
+    quarantined = [r for r in results if r["errors"]]
+    assert len(quarantined) <= 1
+    for r in quarantined:
+        assert [e["code"] for e in r["errors"]] == ["request_quarantined"], r["errors"]
     for (ids, text), r in zip(ref, results, strict=True):
-        assert not r["errors"], r["errors"]
-        assert r["ids"] == ids and r["text"] == text
+        if not r["errors"]:
+            assert r["ids"] == ids and r["text"] == text
     for g in (0, 1):
         _wait_state(s, g, "READY", 60.0)
         assert _groups(s)[g]["failures"] == 1 and _groups(s)[g]["restarts"] == 1
+    assert _metric(s.url, "safeserve:requests_quarantined_total") == len(quarantined)
+    assert _metric(s.url, "safeserve:requests_suspect") == 0
     assert _metric(s.url, "safeserve:requests_lost_total") == 0
     assert _metric(s.url, "safeserve:requests_failed_after_retries_total") == 0

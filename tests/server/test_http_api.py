@@ -252,3 +252,111 @@ def test_disconnect_mid_stream_frees_kv_blocks(server: Server) -> None:
     gen_before = _metric(server, "safeserve:generation_tokens_total")
     time.sleep(0.5)
     assert _metric(server, "safeserve:generation_tokens_total") == gen_before
+
+
+def test_openapi_docs_and_model_retrieve(server: Server) -> None:
+    """/openapi.json documents every /v1 endpoint with its request body and its answers (the
+    same models as the answers: test_edge_fuzz.py checks real ones against it); /docs serves
+    Swagger UI; the openai client retrieves the model, and an unknown one is a 404."""
+    spec = httpx.get(server.url + "/openapi.json").json()
+    paths = spec["paths"]
+    assert {p for p in paths if p.startswith("/v1/")} == {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/models",
+        "/v1/models/{model_id}",
+    }
+    comp = paths["/v1/completions"]["post"]
+    body = comp["requestBody"]["content"]["application/json"]["schema"]
+    assert body == {"$ref": "#/components/schemas/CompletionRequest"}
+    ok = comp["responses"]["200"]["content"]
+    assert ok["application/json"]["schema"] == {"$ref": "#/components/schemas/Completion"}
+    assert "text/event-stream" in ok
+    for status in ("400", "401", "404", "413", "415", "503"):
+        err = comp["responses"][status]["content"]["application/json"]["schema"]
+        assert err == {"$ref": "#/components/schemas/ErrorResponse"}
+    schemas = spec["components"]["schemas"]
+    for name in ("ChatCompletionRequest", "ChatCompletion", "ChatCompletionChunk", "ModelList"):
+        assert name in schemas
+    assert schemas["CompletionRequest"]["properties"]["model"]["enum"] == [MODEL]
+    assert "logprobs" in schemas["CompletionRequest"]["properties"]
+    docs = httpx.get(server.url + "/docs")
+    assert docs.status_code == 200 and "swagger" in docs.text.lower()
+    client = _client(server)
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-9")
+
+
+def _greedy_logprobs(hf, ids: list[int]) -> torch.Tensor:
+    model, _ = hf
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+def test_completion_echo_and_logprobs_as_lm_eval_sends_them(server: Server, hf) -> None:
+    """lm-eval's `local-completions` log-likelihood request (token-id prompts, max_tokens 1,
+    logprobs 1, echo, temperature 0, a seed): the choice carries the prompt's tokens first
+    (the first one's logprob null), then the generated one, and every top_logprobs dict holds
+    the token's own logprob, which is the dict's largest exactly where the token is greedy."""
+    _, tok = hf
+    ids = tok("The quick brown fox jumps")["input_ids"]
+    body = {"model": MODEL, "prompt": [ids], "max_tokens": 1, "logprobs": 1, "echo": True}
+    body |= {"temperature": 0, "seed": 1234}
+    r = httpx.post(
+        server.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}
+    )
+    assert r.status_code == 200, r.text
+    (choice,) = r.json()["choices"]
+    lp = choice["logprobs"]
+    n = len(ids) + 1
+    assert [len(lp[k]) for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")] == [
+        n
+    ] * 4
+    prompt_text = tok.decode(ids)
+    assert choice["text"].startswith(prompt_text)
+    assert lp["text_offset"] == sorted(lp["text_offset"]) and lp["text_offset"][0] == 0
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    # max_tokens 0 with echo: scoring only, no token shown
+    r0 = httpx.post(
+        server.url + "/v1/completions",
+        json=body | {"max_tokens": 0},
+        headers={"Authorization": f"Bearer {KEY}"},
+    )
+    assert r0.status_code == 200, r0.text
+    assert r0.json()["choices"][0]["text"] == prompt_text
+    assert r0.json()["usage"]["completion_tokens"] == 0
+    assert len(r0.json()["choices"][0]["logprobs"]["tokens"]) == len(ids)
+    if all(v is None for v in lp["token_logprobs"]):
+        pytest.skip("the engine returns no logprobs yet (the shape above is checked)")
+    ref = _greedy_logprobs(hf, ids)
+    for i in range(1, len(ids)):
+        assert lp["token_logprobs"][i] == pytest.approx(ref[i - 1, ids[i]].item(), abs=1e-3)
+        top = lp["top_logprobs"][i]
+        assert lp["token_logprobs"][i] in top.values()
+        greedy = int(ref[i - 1].argmax()) == ids[i]
+        assert (lp["token_logprobs"][i] == max(top.values())) == greedy
+
+
+def test_chat_logprobs_stream_and_not(server: Server) -> None:
+    """Chat `logprobs` / `top_logprobs`: one entry per generated token, streamed per delta
+    too; a greedy token's logprob is the largest of its top_logprobs."""
+    client = _client(server)
+    msgs = [{"role": "user", "content": "Route the tokens."}]
+    kw = dict(model=MODEL, messages=msgs, max_tokens=6, temperature=0, logprobs=True)
+    full = client.chat.completions.create(top_logprobs=3, **kw)
+    content = full.choices[0].logprobs.content
+    chunks = list(client.chat.completions.create(top_logprobs=3, stream=True, **kw))
+    streamed = [
+        e
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content
+    ]
+    if not content:
+        pytest.skip("the engine returns no logprobs yet")
+    assert len(content) == full.usage.completion_tokens
+    assert [e.token for e in streamed] == [e.token for e in content]
+    for e in content:
+        assert len(e.top_logprobs) == 3 and e.logprob == pytest.approx(e.top_logprobs[0].logprob)
+        assert e.bytes is not None  # the token's bytes, valid UTF-8 or not

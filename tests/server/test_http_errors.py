@@ -129,3 +129,127 @@ def test_unknown_paths_and_methods_answer_in_the_error_shape(server: Server) -> 
     assert r.status_code == 400 and r.json()["error"]["param"] == "group_id", r.text
     r = httpx.get(server.admin_url + "/admin/nothing")
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+
+
+JSON = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+USER = [{"role": "user", "content": "x"}]
+# (endpoint, raw body, status, the error's param): faults that come in through the front door
+FRONT_DOOR = [
+    ("completions", b'{"model": "%s", "prompt": "a\\ud800b"}', 400, "prompt"),
+    ("completions", b'{"model": "%s", "prompt": ["\\udfff"]}', 400, "prompt[0]"),
+    ("completions", b'{"model": "%s", "prompt": "a", "stop": ["ok", "\\ud800"]}', 400, "stop[1]"),
+    (
+        "chat/completions",
+        b'{"model": "%s", "messages": [{"role": "user", "content": "\\ud83d"}]}',
+        400,
+        "messages[0].content",
+    ),
+    ("completions", b'{"model": "%s", "prompt": "a", "temperature": NaN}', 400, None),
+    ("completions", b'{"model": "%s", "prompt": "a", "top_p": Infinity}', 400, None),
+    ("completions", b'{"model": "%s", "prompt": "a", "seed": 1' + b"0" * 5000 + b"}", 400, None),
+    (
+        "completions",
+        b'{"model": "%s", "prompt": ' + b"[" * 30_000 + b"]" * 30_000 + b"}",
+        400,
+        None,
+    ),
+    (
+        "completions",
+        b'{"model": "%s", "prompt": "a", "stop_token_ids": [1, 1000000]}',
+        400,
+        "stop_token_ids",
+    ),
+    (
+        "completions",
+        b'{"model": "%s", "prompt": "a", "stop_token_ids": [-1]}',
+        400,
+        "stop_token_ids",
+    ),
+    (
+        "chat/completions",
+        b'{"model": "%s", "messages": [{"role": "user"}]}',
+        400,
+        "messages[0].content",
+    ),
+    (
+        "chat/completions",
+        b'{"model": "%s", "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": null}]}',
+        400,
+        "messages[1].content",
+    ),
+    # user-level params, not pydantic's union internals (prompt.str, stop.list[str], ...)
+    ("completions", b'{"model": "%s", "prompt": 5}', 400, "prompt"),
+    ("completions", b'{"model": "%s", "prompt": [1, "a"]}', 400, "prompt[1]"),
+    ("completions", b'{"model": "%s", "prompt": "a", "stop": 5}', 400, "stop"),
+    (
+        "completions",
+        b'{"model": "%s", "prompt": "a", "stream_options": {"include_usage": "yes"}}',
+        400,
+        "stream_options.include_usage",
+    ),
+    (
+        "chat/completions",
+        b'{"model": "%s", "messages": [{"role": "user", "content": [{"type": "text"}]}]}',
+        400,
+        "messages[0].content[0].text",
+    ),
+    ("completions", b'{"model": "%s", "prompt": "a", "max_tokens": 0}', 400, "max_tokens"),
+    ("completions", b'{"model": "%s", "prompt": "a", "logprobs": 21}', 400, "logprobs"),
+    (
+        "chat/completions",
+        b'{"model": "%s", "messages": [{"role": "user", "content": "a"}], "logprobs": true, "top_logprobs": 21}',
+        400,
+        "top_logprobs",
+    ),
+    # a request-borne fault needs --enable-fault-injection
+    (
+        "completions",
+        b'{"model": "%s", "prompt": "a", "safeserve_fault": "raise"}',
+        400,
+        "safeserve_fault",
+    ),
+    (
+        "completions",
+        b'{"model": "%s", "prompt": "a", "safeserve_fault": "melt"}',
+        400,
+        "safeserve_fault",
+    ),
+]
+
+
+@pytest.mark.parametrize("endpoint,raw,status,param", FRONT_DOOR)
+def test_front_door_faults_are_4xx_naming_the_field(
+    server: Server, endpoint: str, raw: bytes, status: int, param: str | None
+) -> None:
+    raw = raw.replace(b"%s", MODEL.encode(), 1)
+    r = httpx.post(f"{server.url}/v1/{endpoint}", content=raw, headers=JSON, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["param"] == param, err
+    if param:
+        assert err["message"].startswith(param) or param in err["message"], err
+
+
+def test_content_type_must_be_json_and_every_answer_is_counted(server: Server) -> None:
+    """415 for a body that is not declared JSON (curl -d without -H sends form encoding); its
+    parameters pass. Every answer, the body limit's 413 included, is in requests_total."""
+    series = 'safeserve:requests_total{endpoint="/v1/completions",status="%s"}'
+    before = {s: _metric(server, series % s) for s in ("200", "413", "415")}
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1}).encode()
+    auth = {"Authorization": f"Bearer {KEY}"}
+    for ctype in ("application/x-www-form-urlencoded", "text/plain", None):
+        headers = auth | ({"Content-Type": ctype} if ctype else {})
+        r = httpx.post(server.url + "/v1/completions", content=body, headers=headers)
+        assert r.status_code == 415, r.text
+        assert r.json()["error"]["code"] == "unsupported_media_type"
+    for ctype in ("application/json; charset=utf-8", "Application/JSON"):
+        r = httpx.post(
+            server.url + "/v1/completions", content=body, headers=auth | {"Content-Type": ctype}
+        )
+        assert r.status_code == 200, r.text
+    big = json.dumps({"model": MODEL, "prompt": "x" * 100_000}).encode()
+    r = httpx.post(server.url + "/v1/completions", content=big, headers=JSON)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    after = {s: _metric(server, series % s) for s in ("200", "413", "415")}
+    assert {s: after[s] - before[s] for s in after} == {"200": 2, "413": 1, "415": 3}

@@ -1,0 +1,479 @@
+"""The query of death: a request that crashes whichever group runs it costs at most two groups,
+is quarantined, and identical requests are refused at admission; every other request finishes.
+
+The policy object alone, the frontend's generation logic against fake groups, and real servers
+(two groups of two ranks): a SIGKILLed group's requests become suspects that finish elsewhere,
+and a request-borne hard exit (`safeserve_fault: "exit"`) that is quarantined after two groups.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from serving import Server, start_server, stop_server, two_groups
+
+from safeserve.config import ServerArgs
+from safeserve.guards.quarantine import QueryOfDeath, fingerprint
+from safeserve.messages import RequestOutput, SamplingParams
+from safeserve.server.errors import APIError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# -- the policy ---------------------------------------------------------------------------------
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_suspect_then_quarantine_then_refused_until_it_expires() -> None:
+    clock = _Clock()
+    q = QueryOfDeath(60.0, clock=clock)
+    assert q.group_failed("a", "fpA", 0) is None  # first failure: a suspect
+    assert q.group_failed("b", "fpB", 0) is None
+    assert q.suspect_groups() == set()  # both wait for a group
+    q.place("a", 1)
+    assert q.suspect_groups() == {1}
+    assert q.refusal("fpA") is None  # a suspect is not refused
+    got = q.group_failed("a", "fpA", 1)  # in flight on the second group that failed
+    assert got is not None and got.groups == (0, 1) and got.rid == "a"
+    assert "a" not in q.suspects and q.suspect_groups() == set()
+    assert q.refusal("fpA") is got and got.refused == 1
+    assert q.remaining_s(got) == 60.0
+    assert q.clear("b") and not q.clear("b") and not q.clear("a")  # b completed: cleared once
+    view = q.view()
+    assert view["suspects"] == [] and [x["fingerprint"] for x in view["quarantined"]] == ["fpA"]
+    clock.t += 60.0
+    assert q.refusal("fpA") is None and q.held() == []  # expired
+    assert [x["fingerprint"] for x in q.view()["recent"]] == ["fpA"]  # kept for the operator
+
+
+def test_quarantine_table_is_bounded_and_lifted() -> None:
+    q = QueryOfDeath(600.0, max_fingerprints=3, clock=_Clock())
+    for i in range(5):
+        q.group_failed(f"r{i}", f"fp{i}", 0)
+        q.group_failed(f"r{i}", f"fp{i}", 1)
+    assert [x.fingerprint for x in q.held()] == ["fp2", "fp3", "fp4"]  # oldest evicted
+    assert q.refusal("fp2") is not None  # a refusal keeps it: now the newest
+    q.group_failed("r9", "fp9", 0)
+    q.group_failed("r9", "fp9", 1)
+    assert [x.fingerprint for x in q.held()] == ["fp4", "fp2", "fp9"]
+    assert [x.fingerprint for x in q.lift("fp4", dry_run=True)] == ["fp4"]
+    assert len(q.held()) == 3  # a dry run lifts nothing
+    assert [x.fingerprint for x in q.lift("fp4")] == ["fp4"] and q.lift("fp4") == []
+    assert len(q.lift()) == 2 and q.held() == []
+
+
+def test_fingerprint_covers_the_prompt_and_every_sampling_parameter() -> None:
+    base = fingerprint([1, 2, 3], SamplingParams(max_tokens=8, temperature=0.0))
+    assert base == fingerprint([1, 2, 3], SamplingParams(max_tokens=8, temperature=0.0))
+    assert base != fingerprint([1, 2, 4], SamplingParams(max_tokens=8, temperature=0.0))
+    assert base != fingerprint([1, 2, 3], SamplingParams(max_tokens=9, temperature=0.0))
+    faulty = SamplingParams(max_tokens=8, temperature=0.0, fault="exit")
+    assert base != fingerprint([1, 2, 3], faulty)
+
+
+# -- the frontend's logic, against fake groups --------------------------------------------------
+class _Client:
+    def __init__(self) -> None:
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.submitted: list[tuple[str, list[int]]] = []
+
+    def submit(self, rid: str, prompt: list[int], params: SamplingParams) -> asyncio.Queue:
+        self.queues[rid] = q = asyncio.Queue()
+        self.submitted.append((rid, list(prompt)))
+        return q
+
+    def abort(self, rid: str) -> None:
+        self.queues.pop(rid, None)
+
+    release = abort
+
+    def out(self, rid: str, ids: list[int], finish: str | None = None, **kw: object) -> None:
+        self.queues[rid].put_nowait(RequestOutput(rid, ids, finish, **kw))  # type: ignore[arg-type]
+
+
+class _Group:
+    def __init__(self, group: int) -> None:
+        self.group, self.up, self.client = group, True, _Client()
+
+    @property
+    def ready(self) -> bool:
+        return self.up
+
+    @property
+    def load(self) -> int:
+        return len(self.client.queues)
+
+    def fail(self, router) -> None:  # type: ignore[no-untyped-def]
+        self.up = False
+        for rid, q in self.client.queues.items():
+            q.put_nowait(RequestOutput(rid, [], "group_failed"))
+        self.client = _Client()  # the next incarnation
+        router.notify()
+
+
+def _generator(quarantine_s: float = 600.0, wait_s: float = 5.0):  # type: ignore[no-untyped-def]
+    from safeserve.model.tokenizer import load_tokenizer
+    from safeserve.server.generate import Generator
+    from safeserve.server.metrics import Metrics
+    from safeserve.server.router import GroupRouter
+
+    groups = [_Group(0), _Group(1)]
+    router = GroupRouter(groups)  # type: ignore[arg-type]
+    args = ServerArgs(num_groups=2, quarantine_s=quarantine_s, migration_wait_s=wait_s)
+    return Generator(args, load_tokenizer("tiny"), router, Metrics(), "tiny"), groups
+
+
+async def _drain(g) -> tuple[list[int], APIError | None]:  # type: ignore[no-untyped-def]
+    ids: list[int] = []
+    try:
+        async for d in g.deltas():
+            ids.extend(d.token_ids)
+    except APIError as e:
+        return ids, e
+    finally:
+        g.close()
+    return ids, None
+
+
+def _sample(gen, name: str) -> float:  # type: ignore[no-untyped-def]
+    return gen.metrics.registry.get_sample_value("safeserve:" + name) or 0.0
+
+
+async def _until(cond, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.01)
+
+
+def test_one_suspect_per_group_quarantine_on_the_second_failure_and_refusal() -> None:
+    async def run() -> None:
+        gen, (g0, g1) = _generator()
+        params = SamplingParams(max_tokens=4, temperature=0.0)
+        g1.up = False  # both start on group 0
+        a = gen.start("a", [10, 11], params, [])
+        b = gen.start("b", [20, 21], params, [])
+        assert a.supervisor is g0 and b.supervisor is g0
+        g1.up = True
+        ta, tb = asyncio.create_task(_drain(a)), asyncio.create_task(_drain(b))
+        g0.client.out("a", [5])
+        g0.client.out("b", [6])
+        await asyncio.sleep(0.05)
+        g0.fail(gen.router)  # both in flight: both suspects; one goes to group 1, one waits
+        await _until(lambda: len(gen.qod.suspects) == 2 and gen.qod.suspect_groups() == {1})
+        await asyncio.sleep(0.1)
+        assert len(g1.client.queues) == 1  # the other waits: group 1 holds a suspect
+        assert _sample(gen, "requests_suspect") == 2
+        g0.up = True  # group 0 restarted: it holds none
+        gen.router.notify()
+        await _until(lambda: gen.qod.suspect_groups() == {0, 1})
+        on1 = next(iter(g1.client.queues))
+        on0 = next(iter(g0.client.queues))
+        assert [p for r, p in g1.client.submitted if r == on1][-1][-1] in (5, 6)  # continuation
+        g1.fail(gen.router)  # the suspect on group 1 crashed a second group: quarantined
+        g0.client.out(on0, [7, 8, 9], "length")
+        (ids_a, err_a), (ids_b, err_b) = await asyncio.gather(ta, tb)
+        res = {"a": (ids_a, err_a), "b": (ids_b, err_b)}
+        ids, err = res[on1]
+        assert err is not None and (err.status, err.code) == (422, "request_quarantined")
+        assert "group 0 and then on group 1" in err.message
+        assert res[on0][1] is None and res[on0][0][-3:] == [7, 8, 9]
+        assert _sample(gen, "requests_quarantined_total") == 1
+        assert _sample(gen, "requests_suspect_cleared_total") == 1
+        assert _sample(gen, "requests_suspect") == 0
+        assert _sample(gen, "quarantine_fingerprints") == 1
+        g1.up = True
+        same = {"a": ([10, 11], params), "b": ([20, 21], params)}[on1]
+        with pytest.raises(APIError) as refused:
+            gen.start("again", *same, [])
+        e = refused.value
+        assert (e.status, e.code) == (422, "request_quarantined") and e.retry_after >= 599
+        assert _sample(gen, "quarantine_refusals_total") == 1
+        assert gen.start("other", [30], params, []) is not None  # anything else is admitted
+
+    asyncio.run(run())
+
+
+def test_an_engine_error_ends_that_request_only_and_is_not_retried() -> None:
+    async def run() -> None:
+        gen, groups = _generator()
+        g = gen.start("e", [1, 2], SamplingParams(max_tokens=4), [])
+        sup = g.supervisor
+        task = asyncio.create_task(_drain(g))
+        sup.client.out("e", [3])
+        sup.client.out("e", [], "error", error="ValueError: bad prompt")
+        ids, err = await task
+        assert ids == [3] and err is not None
+        assert (err.status, err.code) == (500, "internal_error")
+        assert err.message == "internal error in this request: ValueError: bad prompt"
+        assert sum(len(x.client.submitted) for x in groups) == 1  # never resubmitted
+        g2 = gen.start("f", [1, 2], SamplingParams(max_tokens=4), [])
+        t2 = asyncio.create_task(_drain(g2))
+        g2.supervisor.client.out("f", [], "error")
+        _, err = await t2
+        assert err is not None and "gave no reason" in err.message
+
+    asyncio.run(run())
+
+
+def test_a_suspect_waits_at_most_migration_wait_s_then_503() -> None:
+    async def run() -> None:
+        gen, (g0, g1) = _generator(wait_s=0.3)
+        g = gen.start("w", [1], SamplingParams(max_tokens=4), [])
+        g1.up = False
+        task = asyncio.create_task(_drain(g))
+        g.supervisor.fail(gen.router)
+        _, err = await task
+        assert err is not None and err.status == 503 and "free of other suspects" in err.message
+        assert gen.qod.suspects == {}  # ended cleanly: cleared
+
+    asyncio.run(run())
+
+
+def test_with_quarantine_off_requests_migrate_as_before() -> None:
+    async def run() -> None:
+        gen, (g0, g1) = _generator(quarantine_s=0)
+        g = gen.start("m", [1], SamplingParams(max_tokens=4), [])
+        task = asyncio.create_task(_drain(g))
+        for _ in range(2):  # fails twice, continues twice (3 attempts)
+            sup = g.supervisor
+            await _until(lambda sup=sup: "m" in sup.client.queues)
+            sup.client.out("m", [4])
+            await asyncio.sleep(0.02)
+            sup.fail(gen.router)
+            sup.up = True
+            await _until(lambda sup=sup: g.supervisor is not sup)
+        await _until(lambda: "m" in g.supervisor.client.queues)
+        g.supervisor.client.out("m", [5, 6], "length")
+        ids, err = await task
+        assert err is None and ids == [4, 4, 5, 6] and not gen.qod.suspects
+
+    asyncio.run(run())
+
+
+# -- real servers -------------------------------------------------------------------------------
+def _metric(s: Server, name: str) -> float:
+    text = httpx.get(s.url + "/metrics").text
+    return sum(
+        float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{.*}})? (\S+)$", text, re.M)
+    )
+
+
+def _groups(s: Server) -> dict[int, dict]:
+    return {g["id"]: g for g in httpx.get(s.admin_url + "/admin/groups").json()["groups"]}
+
+
+def _wait_ready(s: Server, groups=(0, 1), timeout: float = 90.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not all(_groups(s)[g]["state"] == "READY" for g in groups):
+        assert time.monotonic() < deadline, _groups(s)
+        time.sleep(0.2)
+
+
+def _oncall(s: Server, *args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "safeserve.cli", "oncall", "--admin-url", s.admin_url, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+
+def _body(i: int, tokens: int, stream: bool, **extra: object) -> dict:
+    prompt = [40 + (13 * i + j) % 150 for j in range(12)]
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": tokens, "temperature": 0.0}
+    return body | {"ignore_eos": True, "return_token_ids": True, "stream": stream, **extra}
+
+
+async def _stream(c: httpx.AsyncClient, url: str, body: dict, out: dict) -> None:
+    out.update(ids=[], errors=[], chunks=0)
+    async with c.stream("POST", url + "/v1/completions", json=body) as r:
+        out["status"], out["group"] = r.status_code, r.headers.get("x-safeserve-group")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                out["errors"].append(chunk["error"])
+                continue
+            out["ids"].extend(chunk["choices"][0].get("token_ids") or [])
+            out["chunks"] += 1
+
+
+class _Watch(threading.Thread):
+    """Polls /health and /admin/groups until stopped: the worst moments it saw."""
+
+    def __init__(self, s: Server) -> None:
+        super().__init__(daemon=True)
+        self.s, self.stop, self.bad, self.max_suspects = s, threading.Event(), [], 0
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            health = httpx.get(self.s.url + "/health", timeout=5).status_code
+            groups = _groups(self.s).values()
+            # READY, or on its way back (FAILED waiting for its restart, not a crash loop)
+            if health != 200 or all(g["crash_loop"] for g in groups):
+                self.bad.append((health, [(g["state"], g["crash_loop"]) for g in groups]))
+            self.max_suspects = max([self.max_suspects, *(len(g["suspects"]) for g in groups)])
+            time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def slow_restart(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """Two groups; a failed group waits 30 s before it restarts (an operator restarts it)."""
+    log = tmp_path_factory.mktemp("qod") / "server.log"
+    s = start_server(two_groups("--max-model-len", "512", "--restart-backoff-s", "30"), log)
+    yield s
+    stop_server(s.proc)
+
+
+def test_sigkilled_group_its_requests_become_suspects_finish_elsewhere_and_clear(
+    slow_restart: Server,
+) -> None:
+    s = slow_restart
+    n, tokens = 6, 40
+    ref = [
+        httpx.post(s.url + "/v1/completions", json=_body(i, tokens, False), timeout=120).json()[
+            "choices"
+        ][0]["token_ids"]
+        for i in range(n)
+    ]
+    victim = _groups(s)[0]["ranks"][1]["pid"]
+    watch = _Watch(s)
+    watch.start()
+
+    async def run() -> list[dict]:
+        outs: list[dict] = [{} for _ in range(n)]
+        async with httpx.AsyncClient(timeout=300) as c:
+            tasks = [
+                asyncio.create_task(_stream(c, s.url, _body(i, tokens, True), outs[i]))
+                for i in range(n)
+            ]
+            while sum(o.get("chunks", 0) for o in outs) < 3 * n:
+                await asyncio.sleep(0.01)
+            os.kill(victim, signal.SIGKILL)
+            await asyncio.gather(*tasks)
+        return outs
+
+    outs = asyncio.run(run())
+    watch.stop.set()
+    watch.join()
+    assert [o["ids"] for o in outs] == ref and not any(o["errors"] for o in outs)
+    assert {o["group"] for o in outs} == {"0", "1"}
+    moved = _metric(s, "safeserve:request_migrations_total")
+    assert moved >= 1
+    assert _metric(s, "safeserve:requests_suspect_cleared_total") == moved
+    assert _metric(s, "safeserve:requests_suspect") == 0
+    assert _metric(s, "safeserve:requests_quarantined_total") == 0
+    assert _metric(s, "safeserve:requests_lost_total") == 0
+    assert watch.max_suspects <= 1 and not watch.bad  # one suspect per group at most
+    q = httpx.get(s.admin_url + "/admin/quarantine").json()
+    assert q["suspects"] == [] and q["quarantined"] == []
+    g0 = _groups(s)[0]
+    # backoff of 30 s: waiting for its restart, which it does by itself (not FAILED for good)
+    assert g0["state"] == "RESTARTING" and not g0["crash_loop"]
+    assert [st for _, st in [(e["at"], e["state"]) for e in g0["events"]]][-2:] == [
+        "FAILED",
+        "RESTARTING",
+    ]
+    v = g0["verdicts"][-1]
+    assert (v["kind"], v["rank"], v["signal"], v["exit_code"]) == ("dead", 1, "SIGKILL", -9)
+    assert "killed by SIGKILL" in _oncall(s, "describe", "group", "0").stdout
+
+    # The operator restarts it: the answer says where it stands now, not "FAILED".
+    r = _oncall(s, "restart", "group", "0")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("group 0 restart: under way (now RESTARTING, 0 in flight;")
+    assert "safeserve oncall describe group 0" in r.stdout and "READY" in r.stdout
+    _wait_ready(s)
+    assert _groups(s)[0]["restarts"] == 1
+
+
+# -- the request-borne hard exit ----------------------------------------------------------------
+def test_a_request_that_kills_every_group_costs_two_failures_then_is_refused(
+    tmp_path: Path,
+) -> None:
+    s = start_server(
+        two_groups("--max-model-len", "512", "--enable-fault-injection"), tmp_path / "s.log"
+    )
+    try:
+        _query_of_death(s)
+    finally:
+        stop_server(s.proc)
+
+
+def _query_of_death(s: Server) -> None:
+    n, tokens = 4, 48
+    ref = [
+        httpx.post(s.url + "/v1/completions", json=_body(i, tokens, False), timeout=120).json()[
+            "choices"
+        ][0]["token_ids"]
+        for i in range(n)
+    ]
+    poison = _body(99, 16, False, safeserve_fault="exit")
+    watch = _Watch(s)
+    watch.start()
+
+    async def run() -> tuple[list[dict], httpx.Response]:
+        outs: list[dict] = [{} for _ in range(n)]
+        async with httpx.AsyncClient(timeout=300) as c:
+            tasks = [
+                asyncio.create_task(_stream(c, s.url, _body(i, tokens, True), outs[i]))
+                for i in range(n)
+            ]
+            while sum(o.get("chunks", 0) for o in outs) < 2 * n:
+                await asyncio.sleep(0.01)
+            r = await c.post(s.url + "/v1/completions", json=poison)
+            await asyncio.gather(*tasks)
+        return outs, r
+
+    outs, r = asyncio.run(run())
+    assert r.status_code == 422 and r.json()["error"]["code"] == "request_quarantined", r.text
+    assert [o["ids"] for o in outs] == ref and not any(o["errors"] for o in outs)
+    failures = _metric(s, "safeserve:group_failures_total")
+    assert 1 <= failures <= 2
+    _wait_ready(s, groups=(0,) if _groups(s)[0]["state"] == "READY" else (1,))
+    for _ in range(20):  # a client's retry loop: refused at admission, no group is touched
+        again = httpx.post(s.url + "/v1/completions", json=poison, timeout=60)
+        assert again.status_code == 422 and again.json()["error"]["code"] == "request_quarantined"
+        assert int(again.headers["retry-after"]) > 500
+    _wait_ready(s)
+    watch.stop.set()
+    watch.join()
+    assert not watch.bad, watch.bad
+    assert _metric(s, "safeserve:group_failures_total") == failures
+    assert not any(g["crash_loop"] for g in _groups(s).values())
+    assert _metric(s, "safeserve:requests_quarantined_total") == 1
+    assert _metric(s, "safeserve:quarantine_refusals_total") == 20
+    assert _metric(s, "safeserve:quarantine_fingerprints") == 1
+    assert _metric(s, "safeserve:requests_lost_total") == 0
+    kinds = {v["kind"] for g in _groups(s).values() for v in g["verdicts"]}
+    assert kinds <= {"dead"}  # a silent os._exit(1): dead, exit code 1
+    rows = _oncall(s, "get", "quarantine").stdout.splitlines()
+    assert rows[0].split()[:3] == ["FINGERPRINT", "RID", "GROUPS"] and len(rows) == 2
+    fp = rows[1].split()[0]
+    involved = [g for g in _groups(s).values() if g["quarantined"]]
+    assert (
+        involved
+        and "query-of-death" in _oncall(s, "describe", "group", str(involved[0]["id"])).stdout
+    )
+    dry = _oncall(s, "lift", "quarantine", "--all", "--dry-run")
+    assert dry.returncode == 0 and dry.stdout.startswith(f"would lift 1 quarantine(s): {fp}")
+    assert _metric(s, "safeserve:quarantine_fingerprints") == 1
+    lifted = _oncall(s, "lift", "quarantine", fp)
+    assert lifted.returncode == 0 and lifted.stdout.startswith(f"lifted 1 quarantine(s): {fp}")
+    assert _metric(s, "safeserve:quarantine_fingerprints") == 0
+    assert _oncall(s, "lift", "quarantine", fp).returncode == 1  # 404: none held
