@@ -4,7 +4,7 @@ Default shapes: one Qwen3-30B-A3B MoE layer (E=128, top-8, H=2048, I=768, bf16).
 count it captures one graph per routing (several routings, so that consecutive replays read
 different experts and L2 cannot carry weights between calls), replays them round-robin, times
 every replay with CUDA events and reports the median. The floor is the bytes of the experts the
-routing actually selects divided by the HBM read ceiling (4.24 TB/s, REFERENCE.md §6).
+routing actually selects divided by the HBM read ceiling (4.24 TB/s, measured: kernels/RESULTS.md).
 
     python3 kernels/bench_fused_moe.py [--tokens 1,8,64] [--configs table.json] [--json out.json]
 """
@@ -37,7 +37,7 @@ from safeserve.kernels import fused_moe as fm  # noqa: E402
 from safeserve.kernels import moe_align as ma  # noqa: E402
 from safeserve.kernels import moe_config as mc  # noqa: E402
 
-HBM_READ_BW = 4.24e12  # bytes/s, measured H200 read ceiling (REFERENCE.md §6)
+HBM_READ_BW = 4.24e12  # bytes/s, measured H200 read ceiling (kernels/RESULTS.md)
 DEFAULT_TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
 
 

@@ -319,7 +319,7 @@ class ServerArgs:
         self._apply_layout_rules()
 
     def _apply_layout_rules(self) -> None:
-        """Peer semantics (REFERENCE.md section 1): an all-to-all backend spans the TP group."""
+        """Peer semantics (as in the peer servers): an all-to-all backend spans the TP group."""
         if self.ep_size > self.tp_size:
             raise ConfigError(f"--ep-size {self.ep_size} cannot exceed --tp-size {self.tp_size}")
         if self.moe_a2a_backend != "none" and self.ep_size != self.tp_size:

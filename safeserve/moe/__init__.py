@@ -1,1 +1,1 @@
-"""The MoE layer as five stages: router, dispatch, experts, combine (see DESIGN.md)."""
+"""The MoE layer as five stages: router, dispatch, experts, combine (one module each)."""

@@ -3,7 +3,7 @@
 Per forward pass and MoE layer l, `load[l][g]` = routed (token, expert) pairs that rank g's
 experts compute. A layer's balancedness is `(mean_g load + 1e-5) / (max_g load + 1e-5)`, in
 (0, 1], 1 when every rank gets the same work and 1/G when one of G ranks gets it all; a pass's
-balancedness is the mean over its MoE layers (the peer EPLB's definition, REFERENCE.md §3).
+balancedness is the mean over its MoE layers (the peer EPLB's definition).
 Exported as `safeserve:eplb_balancedness`, the mean over the last 10, 100 and 1000 passes.
 """
 
