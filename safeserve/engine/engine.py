@@ -8,10 +8,7 @@ sampled on each rank come back to the leader (a gloo gather).
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
-
-import torch
 
 from safeserve.config import ServerArgs
 from safeserve.engine.isolation import bisect_step
@@ -29,6 +26,7 @@ from safeserve.engine.outcome import (
 from safeserve.engine.plan import Faults, SeqPlan, StepPlan, TableReceiver, TableSender
 from safeserve.engine.request import Request
 from safeserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from safeserve.engine.warm_up import warm_up
 from safeserve.guards.prefill_sizing import PrefillSizer, PrefillSizing
 from safeserve.messages import EngineStats, InjectFault, RequestOutput, SamplingParams
 from safeserve.model.tokenizer import load_tokenizer
@@ -123,51 +121,8 @@ class Engine:
 
     # -- start-up -------------------------------------------------------------------------------
     def warm_up(self) -> None:
-        """Prefills of every size class before the group reports READY, so the first clients do
-        not pay for first-time work: kernel compilation (Triton builds one variant per MoE tile
-        config, which the token count picks, and per divisibility of integer arguments) and the
-        allocator's growth to the largest step. A largest step that does not fit in device
-        memory fails here, at start-up, with its size in the error, not under traffic.
-
-        On CPU (torch paths only, nothing to compile) one 3-token request runs every stage once
-        (a prefill, then a decode step, as every size does where the context leaves room).
-        With attention data parallelism each size is sent once per attention rank."""
-        # max_model_len is already at most what the KV cache holds
-        largest = min(self.scheduler.chunk, self.scheduler.token_budget, self.max_model_len - 1)
-        sizes = warm_up_sizes(largest, self.runner.device.type == "cuda")
-        if not sizes:  # a context of one token: nothing to prefill before the first decode
-            return
-        t_all = time.perf_counter()
-        for n in sizes:
-            t0 = time.perf_counter()
-            for r in range(self.runner.layout.dp_size):
-                prompt = [(7 * i + r) % self.config.vocab_size for i in range(n)]
-                # a decode step after the prefill too, where the context length leaves room
-                params = SamplingParams(
-                    max_tokens=min(2, self.max_model_len - n), temperature=0, ignore_eos=True
-                )
-                self.add_request(f"__warmup_{n}_{r}__", prompt, params)
-            try:
-                while self.has_work():
-                    # A step's exception ends its requests with an error output (isolation.py)
-                    # rather than raising: at start-up that is the warm-up failing.
-                    for o in self.step():
-                        if o.finish_reason == "error":
-                            raise _WarmUpStepFailed(o.error or "unknown error")
-            except torch.cuda.OutOfMemoryError as e:
-                raise RuntimeError(_oom_message(n, str(e))) from e
-            except Exception as e:
-                if "OutOfMemoryError" in str(e):  # as an isolated step's error output says it
-                    raise RuntimeError(_oom_message(n, str(e))) from e
-                raise RuntimeError(f"start-up warm-up failed at a {n}-token prefill: {e}") from e
-            if len(sizes) > 1:
-                logger.info("warm-up: %d-token prefill in %.2f s", n, time.perf_counter() - t0)
-        logger.info(
-            "warm-up done: %d prefill size(s) up to %d tokens in %.1f s",
-            len(sizes),
-            max(sizes),
-            time.perf_counter() - t_all,
-        )
+        """Runs the start-up warm-up (engine/warm_up.py) before the group reports READY."""
+        warm_up(self)
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -378,39 +333,6 @@ class Engine:
         if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
             return "length"
         return None
-
-
-class _WarmUpStepFailed(RuntimeError):
-    """A warm-up request ended with an error output."""
-
-
-def _oom_message(n: int, error: str) -> str:
-    return (
-        f"start-up warm-up: a {n}-token prefill does not fit in device memory; lower "
-        f"--mem-fraction-static (leaves more for activations) or --max-num-batched-tokens "
-        f"({error})"
-    )
-
-
-def warm_up_sizes(largest: int, compiles: bool) -> list[int]:
-    """Prompt lengths of the start-up warm-up, each at most `largest` (the longest prefill one
-    step takes). Without compiled kernels (CPU): 3 tokens. Where kernels compile (a GPU): every
-    power of two from 1, each from 16 on also plus one (a count that is not a multiple of 16,
-    which Triton compiles apart), and `largest`. What a kernel's variant depends on grows
-    monotonically with the step's token count (tile configs keyed by powers of two, the
-    heuristic's size classes, block sizes rounded up to a power of two), so a prefill at each
-    doubling reaches every variant; decode batches past the decode graphs have the same
-    token counts."""
-    if not compiles:
-        return [min(3, largest)] if largest >= 1 else []
-    sizes = {largest} if largest >= 1 else set()
-    n = 1
-    while n < largest:
-        sizes.add(n)
-        if n >= 16 and n + 1 < largest:
-            sizes.add(n + 1)
-        n *= 2
-    return sorted(sizes)
 
 
 def follower_loop(runner: ModelRunner, on_plan: Callable[[int, bool], None]) -> None:

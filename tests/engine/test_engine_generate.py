@@ -9,7 +9,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from safeserve.config import ServerArgs
-from safeserve.engine.engine import Engine, warm_up_sizes
+from safeserve.engine.engine import Engine
+from safeserve.engine.warm_up import warm_up_sizes
 from safeserve.messages import SamplingParams
 
 
