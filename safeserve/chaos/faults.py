@@ -18,11 +18,16 @@ from dataclasses import dataclass
 import httpx
 import psutil
 
-from safeserve.chaos.scenario import ENGINE_ACTIONS, GROUP_ACTIONS, Fault
+from safeserve.chaos.scenario import ENGINE_ACTIONS, GROUP_ACTIONS, REQUEST_ACTIONS, Fault
 
 SIGNALS = {"sigkill": signal.SIGKILL, "sigstop": signal.SIGSTOP, "sigcont": signal.SIGCONT}
 RUNNING = (psutil.STATUS_RUNNING, psutil.STATUS_SLEEPING, psutil.STATUS_DISK_SLEEP)
 VERIFY_S = 1.0  # how long a signal may take to show (a killed process becomes a zombie at once)
+# What a request-borne fault must be answered with to have done what it should: the raising one
+# fails alone; the deadly one is quarantined, and so is every identical request after it.
+REQUEST_EXPECTED = {"raise": (500, "internal_error"), "exit": (422, "request_quarantined")}
+REQUEST_PROMPT = [11, 12, 13, 14, 15, 16, 17, 18]
+REQUEST_TIMEOUT_S = 180.0  # a deadly request waits for a group holding no other suspect
 
 
 @dataclass
@@ -52,9 +57,19 @@ async def _wait_status(pid: int, want: tuple[str | None, ...]) -> str | None:
 
 
 class Injector:
-    def __init__(self, admin_url: str, admin_key: str | None = None) -> None:
+    def __init__(
+        self,
+        admin_url: str,
+        admin_key: str | None = None,
+        url: str | None = None,
+        api_key: str | None = None,
+        model: str = "tiny",
+    ) -> None:
         self.admin_url = admin_url.rstrip("/")
         self.headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
+        self.url = (url or "").rstrip("/")  # the API, for request-borne faults
+        self.api_headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.model = model
         self.stopped: set[int] = set()  # pids this run stopped (continued at the end)
 
     async def _pid(self, client: httpx.AsyncClient, group: int, rank: int) -> int | None:
@@ -69,6 +84,8 @@ class Injector:
 
     async def inject(self, fault: Fault, at: float) -> FaultRecord:
         async with httpx.AsyncClient(timeout=10.0) as client:
+            if fault.action in REQUEST_ACTIONS:
+                return await self._request(client, fault, at)
             if fault.action in SIGNALS:
                 return await self._signal(client, fault, at)
             if fault.action in ENGINE_ACTIONS:
@@ -124,6 +141,32 @@ class Injector:
             rec.verified = st in RUNNING
             self.stopped.discard(pid)
         rec.detail = f"pid {pid}: {before} -> {st or 'gone'}"
+        return rec
+
+    async def _request(self, client: httpx.AsyncClient, fault: Fault, at: float) -> FaultRecord:
+        """Sends the completion that carries the fault (then `repeat` identical ones) and checks
+        each answer is the one the fault must get."""
+        kind = REQUEST_ACTIONS[fault.action]
+        body = {"model": self.model, "prompt": REQUEST_PROMPT, "max_tokens": 4}
+        body |= {"temperature": 0, "safeserve_fault": kind}
+        want = REQUEST_EXPECTED[kind]
+        rec = FaultRecord(fault, at, time.time())
+        got: list[tuple[int, str | None]] = []
+        for _ in range(1 + fault.repeat):
+            r = await client.post(
+                self.url + "/v1/completions",
+                json=body,
+                headers=self.api_headers,
+                timeout=REQUEST_TIMEOUT_S,
+            )
+            code = r.json().get("error", {}).get("code") if r.status_code != 200 else None
+            got.append((r.status_code, code))
+        rec.verified = bool(got) and all(g == want for g in got)
+        first = f"HTTP {got[0][0]} {got[0][1] or ''}".rstrip()
+        rest = sum(1 for g in got[1:] if g == want)
+        rec.detail = first + (
+            f"; {rest} of {fault.repeat} identical refused" if fault.repeat else ""
+        )
         return rec
 
     def release(self) -> None:

@@ -191,7 +191,7 @@ async def run(
     async with httpx.AsyncClient(timeout=10.0) as c:
         before = await obs.metrics(c)
     load = Load(obs.url, sc.load, model, api_key)
-    inj = Injector(obs.admin_url, admin_key)
+    inj = Injector(obs.admin_url, admin_key, obs.url, api_key, model)
     faults: list[FaultRecord] = []
     stop = asyncio.Event()
     t0 = time.monotonic()

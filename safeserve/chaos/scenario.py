@@ -32,7 +32,11 @@ from typing import Any
 SIGNAL_ACTIONS = ("sigkill", "sigstop", "sigcont")
 ENGINE_ACTIONS = ("route_skew", "slow_rank", "clear")  # POST /admin/faults
 GROUP_ACTIONS = ("drain", "undrain", "restart")  # POST /admin/groups/{id}/{action}
-FAULT_ACTIONS = SIGNAL_ACTIONS + ENGINE_ACTIONS + GROUP_ACTIONS
+# A completion that carries its own fault (`safeserve_fault`; needs --enable-fault-injection):
+# "raise" must fail alone (500 internal_error), "exit" must end quarantined (422
+# request_quarantined), and `repeat` identical requests after it must each be refused (422).
+REQUEST_ACTIONS = {"request_raise": "raise", "request_exit": "exit"}
+FAULT_ACTIONS = SIGNAL_ACTIONS + ENGINE_ACTIONS + GROUP_ACTIONS + tuple(REQUEST_ACTIONS)
 # Which watchdog verdict a fault must draw (a fault that draws none had no visible effect).
 EXPECTED_VERDICT = {"sigkill": "dead", "sigstop": "stalled", "slow_rank": "slow"}
 
@@ -67,6 +71,7 @@ class Fault:
     rank: int | None = None
     expert: int | None = None  # route_skew
     delay_s: float | None = None  # slow_rank
+    repeat: int = 0  # request_exit: identical requests sent after it, each to be refused
 
 
 @dataclass
@@ -181,6 +186,8 @@ def validate(sc: Scenario, where: str) -> None:
             raise ScenarioError(f"{at}: route_skew needs expert")
         if f.action == "slow_rank" and f.delay_s is None:
             raise ScenarioError(f"{at}: slow_rank needs delay_s")
+        if f.repeat < 0 or (f.repeat and f.action != "request_exit"):
+            raise ScenarioError(f"{at}: repeat is a count >= 0, for request_exit only")
     if not 0 < sc.goals.recover_throughput <= 1:
         raise ScenarioError(f"{where}: [goals].recover_throughput must be in (0, 1]")
 

@@ -49,6 +49,8 @@ def _chaos(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
         ({"goals": {"lost": 0}}, "unknown key 'lost'"),
         ({"boom": 1}, "unknown key 'boom'"),
         ({"goals": {"recover_throughput": 1.5}}, "recover_throughput"),
+        ({"faults": [{"at_s": 5, "action": "request_raise", "repeat": 3}]}, "request_exit only"),
+        ({"faults": [{"at_s": 5, "action": "request_exit", "repeat": -1}]}, "repeat is a count"),
     ],
 )
 def test_bad_scenarios_are_refused_with_the_field_named(raw: dict, message: str) -> None:
@@ -229,3 +231,22 @@ def test_memory_spread_is_the_worst_groups_growth_gap() -> None:
     rows = [row(0, 0, 70, 73.5), row(0, 1, 70, 71), row(1, 0, 70, 70.5), row(1, 1, 70, 70.5)]
     assert memory_spread_gib(rows) == 2.5  # group 0: rank 0 grew 3.5 GiB, rank 1 only 1
     assert memory_spread_gib([row(0, 0, None, None), row(0, 1, 1, 2)]) is None  # CPU ranks
+
+
+def test_query_of_death_scenario_quarantines_and_loses_nothing(tmp_path: Path) -> None:
+    """The shipped scenario (its own server): the raising request fails alone, the deadly one
+    costs at most two groups and ends quarantined, its 20 copies are refused, and every other
+    stream completes exactly."""
+    out = tmp_path / "qod.json"
+    r = _chaos("run", "chaos/query-of-death.toml", "--json", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    rep = json.loads(out.read_text())
+    raised, deadly = rep["faults"]
+    assert (raised["action"], raised["verified"]) == ("request_raise", True)
+    assert raised["detail"] == "HTTP 500 internal_error"
+    assert (deadly["action"], deadly["verified"]) == ("request_exit", True)
+    assert deadly["detail"] == "HTTP 422 request_quarantined; 20 of 20 identical refused"
+    failures = sum(rep["server"]["group_failures"].values())
+    assert 1 <= failures <= 2
+    req = rep["requests"]
+    assert req["sent"] >= 16 and req["succeeded"] == req["sent"] and req["consistent"] == 1.0
