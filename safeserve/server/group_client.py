@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 # How long a rank's death may take to settle (its exit code known, the fatal error it reported
 # read) before the verdict is given: the verdict then names the culprit and its cause.
-SETTLE_S = 0.5
+SETTLE_S = 1.0
 
 
 def _free_port() -> int:
@@ -294,21 +294,29 @@ class GroupClient:
             alive = {r: p.is_alive() for r, p in enumerate(self.processes)}
             codes = {r: p.exitcode for r, p in enumerate(self.processes)}
             self._note_gone(alive)
-            settled = (reporter is None or not alive.get(reporter, False)) and all(
-                codes[r] is not None and (r in self.reports or signal_name(codes[r]) is not None)
-                for r, ok in alive.items()
-                if not ok
+            verdicts = self.watchdog.check(
+                self.group, self.ranks, alive, False, codes, self.reports, self._gone_at
+            )
+            deaths = [v for v in verdicts if v.kind in ("dead", "crashed")]
+            # Settled: the reporter is gone, and every rank seen gone (its process reaped here,
+            # or a zombie psutil saw after that) has its exit code, and its report or signal.
+            settled = (
+                (reporter is None or not alive.get(reporter, False))
+                and all(
+                    codes[r] is not None
+                    and (r in self.reports or signal_name(codes[r]) is not None)
+                    for r, ok in alive.items()
+                    if not ok
+                )
+                and all(v.exit_code is not None for v in deaths)
             )
             if settled or time.monotonic() >= deadline:
                 break
             await asyncio.sleep(0.02)
         if self.state is not GroupState.READY:
             return
-        verdicts = self.watchdog.check(
-            self.group, self.ranks, alive, False, codes, self.reports, self._gone_at
-        )
-        if verdicts and verdicts[0].kind in ("dead", "crashed"):
-            verdict = verdicts[0]
+        if deaths:
+            verdict = deaths[0]
         else:  # the reporter has not exited (yet): its report is the cause all the same
             rank = reporter if reporter is not None else 0
             pid = self.ranks[rank].pid if rank in self.ranks else None
