@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 from pathlib import Path
@@ -35,6 +34,7 @@ from safeserve.moe.dispatch import AllToAllDispatcher, StepTokens  # noqa: E402
 from safeserve.moe.placement import ExpertPlacement  # noqa: E402
 from safeserve.moe.runner import ExpertRunner  # noqa: E402
 from safeserve.moe.topk import TopKOutput  # noqa: E402
+from safeserve.ports import free_port  # noqa: E402
 
 H, E, K, FFN = 2048, 128, 8, 768
 
@@ -133,9 +133,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--json", type=Path)
     args = p.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [

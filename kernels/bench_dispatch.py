@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 from pathlib import Path
@@ -30,6 +29,7 @@ from safeserve.engine.parallel import Comm, Layout  # noqa: E402
 from safeserve.moe.dispatch import AllToAllDispatcher, CombineInput, StepTokens  # noqa: E402
 from safeserve.moe.placement import ExpertPlacement  # noqa: E402
 from safeserve.moe.topk import TopKOutput  # noqa: E402
+from safeserve.ports import free_port  # noqa: E402
 
 
 def _time(fn, iters: int, warmup: int) -> float:
@@ -142,9 +142,7 @@ def main() -> None:
     args = p.parse_args()
     if args.gpus < 2:
         sys.exit("needs at least 2 GPUs")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [

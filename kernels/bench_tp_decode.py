@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import sys
 import time
@@ -35,6 +34,7 @@ from safeserve.engine.kv_cache import new_table_id  # noqa: E402
 from safeserve.engine.model_runner import ModelRunner  # noqa: E402
 from safeserve.engine.plan import SeqPlan, StepPlan  # noqa: E402
 from safeserve.messages import SamplingParams  # noqa: E402
+from safeserve.ports import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -162,9 +162,7 @@ def main() -> None:
     opts.concurrency = [int(c) for c in opts.concurrency.split(",")]
     if opts.device == "cuda" and torch.cuda.device_count() < opts.tp_size:
         sys.exit(f"needs {opts.tp_size} GPUs, found {torch.cuda.device_count()}")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, port, opts, q)) for r in range(opts.tp_size)]

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import httpx
 
-from safeserve.chaos.runner import die_with_parent, free_port
+from safeserve.chaos.runner import die_with_parent
+from safeserve.ports import free_port
 
 
 def two_groups(*extra: str) -> list[str]:

@@ -13,7 +13,6 @@ import logging
 import multiprocessing as mp
 import os
 import pickle
-import socket
 import tempfile
 import time
 from collections.abc import Callable
@@ -38,6 +37,7 @@ from safeserve.messages import (
     Shutdown,
     StepOutputs,
 )
+from safeserve.ports import free_port
 from safeserve.server.metrics import Metrics
 
 logger = logging.getLogger(__name__)
@@ -45,12 +45,6 @@ logger = logging.getLogger(__name__)
 # How long a rank's death may take to settle (its exit code known, the fatal error it reported
 # read) before the verdict is given: the verdict then names the culprit and its cause.
 SETTLE_S = 1.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class GroupState(enum.Enum):
@@ -117,7 +111,7 @@ class GroupClient:
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
         ctx = mp.get_context("spawn")
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        init_method = f"tcp://127.0.0.1:{free_port()}"
         for rank in range(self.args.tp_size):
             fail = self.args.fault_fail_start_group == self.group
             p = ctx.Process(
