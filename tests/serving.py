@@ -117,6 +117,13 @@ def wait_all_ready(s: Server, timeout: float = 120.0) -> None:
     raise AssertionError(f"groups not READY: {admin_groups(s)}")
 
 
+def oncall(s: Server, *args: str) -> subprocess.CompletedProcess:
+    """`safeserve oncall ARGS` against the server's admin API (runbooks from the repository)."""
+    cmd = [sys.executable, "-m", "safeserve.cli", "oncall", "--admin-url", s.admin_url, *args]
+    root = Path(__file__).resolve().parents[1]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=root)
+
+
 def rank_processes(server_pid: int) -> list:
     """The rank processes of a server (`safeserve: group G rank R` in `ps`), as psutil
     processes."""

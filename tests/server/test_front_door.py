@@ -18,6 +18,7 @@ from serving import (
     Server,
     admin_groups,
     metric,
+    oncall,
     start_server,
     stop_server,
     stream_completion,
@@ -125,18 +126,44 @@ def test_query_of_death_is_quarantined_after_at_most_two_group_failures(
         assert survivors == [(ref, None) for ref in reference[:8]]
         # The client retries: each retry is refused at the edge and costs no group.
         failures = metric(server, "safeserve:group_failures_total")
-        for _ in range(20):
-            ids, err = _stream(server, PROMPTS[8], safeserve_fault="exit")
-            assert (ids, err) == ([], "request_quarantined")
+        body = {"model": "tiny", "prompt": PROMPTS[8], "max_tokens": MAX_TOKENS}
+        body |= {"temperature": 0, "ignore_eos": True, "return_token_ids": True, "stream": True}
+        for _ in range(20):  # a client's retry loop: refused at admission, no group is touched
+            again = httpx.post(
+                server.url + "/v1/completions", json={**body, "safeserve_fault": "exit"}, timeout=60
+            )
+            assert again.status_code == 422, again.text
+            assert again.json()["error"]["code"] == "request_quarantined"
+            assert int(again.headers["retry-after"]) > 500
         assert metric(server, "safeserve:group_failures_total") == failures
-        assert failures - failures_before <= 2
-        assert metric(server, "safeserve:quarantine_refusals_total") >= 20
+        assert 1 <= failures - failures_before <= 2
+        assert metric(server, "safeserve:requests_quarantined_total") == 1
+        assert metric(server, "safeserve:quarantine_refusals_total") == 20
+        assert metric(server, "safeserve:quarantine_fingerprints") == 1
+        assert metric(server, "safeserve:requests_lost_total") == 0
         wait_all_ready(server)
     finally:
         monitor.stop.set()
         monitor.join()
     assert monitor.polls > 10 and monitor.bad == [], monitor.bad
-    assert not any(g.get("crash_loop") for g in admin_groups(server))
+    groups = admin_groups(server)
+    assert not any(g["crash_loop"] for g in groups)
+    # A silent os._exit(1): `dead` with its exit code, never `crashed`.
+    assert {v["kind"] for g in groups for v in g["verdicts"]} <= {"dead"}
+    # The on-call view of it, and lifting it.
+    rows = oncall(server, "get", "quarantine").stdout.splitlines()
+    assert rows[0].split()[:3] == ["FINGERPRINT", "RID", "GROUPS"] and len(rows) == 2
+    fp = rows[1].split()[0]
+    involved = [g for g in groups if g["quarantined"]]
+    assert involved
+    assert "query-of-death" in oncall(server, "describe", "group", str(involved[0]["id"])).stdout
+    dry = oncall(server, "lift", "quarantine", "--all", "--dry-run")
+    assert dry.returncode == 0 and dry.stdout.startswith(f"would lift 1 quarantine(s): {fp}")
+    assert metric(server, "safeserve:quarantine_fingerprints") == 1
+    lifted = oncall(server, "lift", "quarantine", fp)
+    assert lifted.returncode == 0 and lifted.stdout.startswith(f"lifted 1 quarantine(s): {fp}")
+    assert metric(server, "safeserve:quarantine_fingerprints") == 0
+    assert oncall(server, "lift", "quarantine", fp).returncode == 1  # 404: none held
     # Another request is still served by both groups.
     assert _streams(server) == [(ref, None) for ref in reference]
 

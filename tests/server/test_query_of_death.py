@@ -11,10 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -22,7 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from serving import Server, start_server, stop_server, two_groups
+from serving import Server, metric, oncall, start_server, stop_server, two_groups
 
 from safeserve.config import ServerArgs
 from safeserve.guards.quarantine import QueryOfDeath, fingerprint
@@ -269,13 +266,6 @@ def test_with_quarantine_off_requests_migrate_as_before() -> None:
 
 
 # -- real servers -------------------------------------------------------------------------------
-def _metric(s: Server, name: str) -> float:
-    text = httpx.get(s.url + "/metrics").text
-    return sum(
-        float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{.*}})? (\S+)$", text, re.M)
-    )
-
-
 def _groups(s: Server) -> dict[int, dict]:
     return {g["id"]: g for g in httpx.get(s.admin_url + "/admin/groups").json()["groups"]}
 
@@ -285,11 +275,6 @@ def _wait_ready(s: Server, groups=(0, 1), timeout: float = 90.0) -> None:  # typ
     while not all(_groups(s)[g]["state"] == "READY" for g in groups):
         assert time.monotonic() < deadline, _groups(s)
         time.sleep(0.2)
-
-
-def _oncall(s: Server, *args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "safeserve.cli", "oncall", "--admin-url", s.admin_url, *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
 
 
 def _body(i: int, tokens: int, stream: bool, **extra: object) -> dict:
@@ -373,12 +358,12 @@ def test_sigkilled_group_its_requests_become_suspects_finish_elsewhere_and_clear
     watch.join()
     assert [o["ids"] for o in outs] == ref and not any(o["errors"] for o in outs)
     assert {o["group"] for o in outs} == {"0", "1"}
-    moved = _metric(s, "safeserve:request_migrations_total")
+    moved = metric(s, "safeserve:request_migrations_total")
     assert moved >= 1
-    assert _metric(s, "safeserve:requests_suspect_cleared_total") == moved
-    assert _metric(s, "safeserve:requests_suspect") == 0
-    assert _metric(s, "safeserve:requests_quarantined_total") == 0
-    assert _metric(s, "safeserve:requests_lost_total") == 0
+    assert metric(s, "safeserve:requests_suspect_cleared_total") == moved
+    assert metric(s, "safeserve:requests_suspect") == 0
+    assert metric(s, "safeserve:requests_quarantined_total") == 0
+    assert metric(s, "safeserve:requests_lost_total") == 0
     assert watch.max_suspects <= 1 and not watch.bad  # one suspect per group at most
     q = httpx.get(s.admin_url + "/admin/quarantine").json()
     assert q["suspects"] == [] and q["quarantined"] == []
@@ -391,89 +376,12 @@ def test_sigkilled_group_its_requests_become_suspects_finish_elsewhere_and_clear
     ]
     v = g0["verdicts"][-1]
     assert (v["kind"], v["rank"], v["signal"], v["exit_code"]) == ("dead", 1, "SIGKILL", -9)
-    assert "killed by SIGKILL" in _oncall(s, "describe", "group", "0").stdout
+    assert "killed by SIGKILL" in oncall(s, "describe", "group", "0").stdout
 
     # The operator restarts it: the answer says where it stands now, not "FAILED".
-    r = _oncall(s, "restart", "group", "0")
+    r = oncall(s, "restart", "group", "0")
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("group 0 restart: under way (now RESTARTING, 0 in flight;")
     assert "safeserve oncall describe group 0" in r.stdout and "READY" in r.stdout
     _wait_ready(s)
     assert _groups(s)[0]["restarts"] == 1
-
-
-# -- the request-borne hard exit ----------------------------------------------------------------
-def test_a_request_that_kills_every_group_costs_two_failures_then_is_refused(
-    tmp_path: Path,
-) -> None:
-    s = start_server(
-        two_groups("--max-model-len", "512", "--enable-fault-injection"), tmp_path / "s.log"
-    )
-    try:
-        _query_of_death(s)
-    finally:
-        stop_server(s.proc)
-
-
-def _query_of_death(s: Server) -> None:
-    n, tokens = 4, 48
-    ref = [
-        httpx.post(s.url + "/v1/completions", json=_body(i, tokens, False), timeout=120).json()[
-            "choices"
-        ][0]["token_ids"]
-        for i in range(n)
-    ]
-    poison = _body(99, 16, False, safeserve_fault="exit")
-    watch = _Watch(s)
-    watch.start()
-
-    async def run() -> tuple[list[dict], httpx.Response]:
-        outs: list[dict] = [{} for _ in range(n)]
-        async with httpx.AsyncClient(timeout=300) as c:
-            tasks = [
-                asyncio.create_task(_stream(c, s.url, _body(i, tokens, True), outs[i]))
-                for i in range(n)
-            ]
-            while sum(o.get("chunks", 0) for o in outs) < 2 * n:
-                await asyncio.sleep(0.01)
-            r = await c.post(s.url + "/v1/completions", json=poison)
-            await asyncio.gather(*tasks)
-        return outs, r
-
-    outs, r = asyncio.run(run())
-    assert r.status_code == 422 and r.json()["error"]["code"] == "request_quarantined", r.text
-    assert [o["ids"] for o in outs] == ref and not any(o["errors"] for o in outs)
-    failures = _metric(s, "safeserve:group_failures_total")
-    assert 1 <= failures <= 2
-    _wait_ready(s, groups=(0,) if _groups(s)[0]["state"] == "READY" else (1,))
-    for _ in range(20):  # a client's retry loop: refused at admission, no group is touched
-        again = httpx.post(s.url + "/v1/completions", json=poison, timeout=60)
-        assert again.status_code == 422 and again.json()["error"]["code"] == "request_quarantined"
-        assert int(again.headers["retry-after"]) > 500
-    _wait_ready(s)
-    watch.stop.set()
-    watch.join()
-    assert not watch.bad, watch.bad
-    assert _metric(s, "safeserve:group_failures_total") == failures
-    assert not any(g["crash_loop"] for g in _groups(s).values())
-    assert _metric(s, "safeserve:requests_quarantined_total") == 1
-    assert _metric(s, "safeserve:quarantine_refusals_total") == 20
-    assert _metric(s, "safeserve:quarantine_fingerprints") == 1
-    assert _metric(s, "safeserve:requests_lost_total") == 0
-    kinds = {v["kind"] for g in _groups(s).values() for v in g["verdicts"]}
-    assert kinds <= {"dead"}  # a silent os._exit(1): dead, exit code 1
-    rows = _oncall(s, "get", "quarantine").stdout.splitlines()
-    assert rows[0].split()[:3] == ["FINGERPRINT", "RID", "GROUPS"] and len(rows) == 2
-    fp = rows[1].split()[0]
-    involved = [g for g in _groups(s).values() if g["quarantined"]]
-    assert (
-        involved
-        and "query-of-death" in _oncall(s, "describe", "group", str(involved[0]["id"])).stdout
-    )
-    dry = _oncall(s, "lift", "quarantine", "--all", "--dry-run")
-    assert dry.returncode == 0 and dry.stdout.startswith(f"would lift 1 quarantine(s): {fp}")
-    assert _metric(s, "safeserve:quarantine_fingerprints") == 1
-    lifted = _oncall(s, "lift", "quarantine", fp)
-    assert lifted.returncode == 0 and lifted.stdout.startswith(f"lifted 1 quarantine(s): {fp}")
-    assert _metric(s, "safeserve:quarantine_fingerprints") == 0
-    assert _oncall(s, "lift", "quarantine", fp).returncode == 1  # 404: none held
