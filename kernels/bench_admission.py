@@ -28,12 +28,12 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from safeserve.engine.parallel import Comm, Layout  # noqa: E402
 from safeserve.guards.admission import DispatchBuffers, bytes_per_recv_row  # noqa: E402
 from safeserve.moe.dispatch import AllToAllDispatcher, StepTokens  # noqa: E402
 from safeserve.moe.placement import ExpertPlacement  # noqa: E402
 from safeserve.moe.runner import ExpertRunner  # noqa: E402
 from safeserve.moe.topk import TopKOutput  # noqa: E402
+from safeserve.parallel.comm import Comm, Layout  # noqa: E402
 from safeserve.ports import free_port  # noqa: E402
 
 H, E, K, FFN = 2048, 128, 8, 768

@@ -98,7 +98,7 @@ _FP32_WEIGHTS: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
 def reference(x, w13, w2, weights, ids) -> torch.Tensor:
     """The runner's torch path in float32 (upcast weights cached per weight tensor)."""
-    from safeserve.moe.runner import grouped_experts_torch
+    from safeserve.kernels.moe_reference import grouped_experts_torch
 
     key = w13.data_ptr()
     if key not in _FP32_WEIGHTS:

@@ -25,13 +25,15 @@ def _serve(ns: argparse.Namespace) -> int:
         return 2
     import uvicorn
 
-    # No torch in these (the ranks import it; reading a checkpoint's safetensors headers does
-    # too): the frontend starts, and refuses bad flags, without its seconds of import.
-    from safeserve.engine.layout import Layout
     from safeserve.model.checkpoint import LoadError, check_checkpoint, load_model_config
     from safeserve.model.config import ModelConfigError
-    from safeserve.model.sharding import LayoutError, check_layout
+    from safeserve.model.registry import check_layout
+    from safeserve.model.sharding import LayoutError
     from safeserve.model.tokenizer import TokenizerError
+
+    # No torch in these (the ranks import it; reading a checkpoint's safetensors headers does
+    # too): the frontend starts, and refuses bad flags, without its seconds of import.
+    from safeserve.parallel.layout import Layout
     from safeserve.server.app import build_app
 
     # Everything that can be known wrong is refused here, before any process is spawned.

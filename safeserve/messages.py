@@ -6,7 +6,7 @@ deployment (never over an untrusted network).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 # Heartbeat phases, in the order a step goes through them.
 PHASES = ("idle", "schedule", "attention", "dispatch", "experts", "combine", "sample")
@@ -120,13 +120,94 @@ class StepOutputs:
 
 
 @dataclass
+class PrefillSizing:
+    """Chunked-prefill sizing of one group (guards/prefill_sizing.py computes it)."""
+
+    mode: str
+    budget: int | None  # rows a rank may receive per round (None: admission off)
+    attention_groups: int
+    max_num_batched_tokens: int
+    step_tokens: int  # token budget of one step, per attention group
+    chunk: int  # prompt tokens of one request per step
+    safe_step_tokens: int | None  # the largest step budget that needs no second round
+    share: float  # share of a step's tokens the busiest rank is assumed to receive
+    explicit_chunk: int | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def describe(self) -> str:
+        if self.budget is None:
+            return (
+                f"prefill sizing: admission off; step budget {self.step_tokens} tokens, "
+                f"chunk {self.chunk} per attention group"
+            )
+        return (
+            f"prefill sizing {self.mode}: dispatch budget {self.budget} rows/rank, "
+            f"{self.attention_groups} attention group(s), busiest-rank share {self.share:.2f} -> "
+            f"safe step {self.safe_step_tokens} tokens per group; step budget {self.step_tokens}, "
+            f"chunk {self.chunk} per group (--max-num-batched-tokens {self.max_num_batched_tokens})"
+        )
+
+
+@dataclass
+class DispatchSizing:
+    """The dispatch buffers a rank preallocated at its receive budget."""
+
+    buffer_bytes: int
+    bytes_per_recv_row: int
+    attention_groups: int
+    top_k: int
+    local_experts: int
+
+
+@dataclass
+class GuardSizing:
+    """The effective admission budget and prefill sizing of a group: the leader sizes prefill
+    chunks from them, and GET /admin/config shows them."""
+
+    dispatch_budget_tokens: int | None = None  # rows a rank may receive per round (None: off)
+    dispatch: DispatchSizing | None = None  # None with admission off
+    prefill: PrefillSizing | None = None  # set by the leader's engine
+
+
+@dataclass
 class GroupReady:
     group: int
     max_model_len: int
     num_kv_blocks: int
     block_size: int
     vocab_size: int
-    guards: dict = field(default_factory=dict)  # effective admission budget and prefill sizing
+    guards: GuardSizing = field(default_factory=GuardSizing)
+
+
+@dataclass
+class DispatchStats:
+    """A rank's dispatch admission numbers, since start."""
+
+    budget_tokens: int  # rows it may receive in one round
+    recv_tokens_peak: int  # most rows it received in one round
+    rounds_total: int  # rounds run (one per dispatch when nothing had to be cut)
+    cut_total: int  # dispatches that needed more than one round
+    buffer_bytes: int  # preallocated
+    buffer_peak_bytes: int  # most of it ever in use
+
+
+@dataclass
+class RankStats:
+    """What a rank's heartbeat carries besides (step, phase); the defaults are "not known"
+    (before a rank's first heartbeat, or off CUDA for the memory fields)."""
+
+    own_step_s: float = 0.0  # the last step's time outside collectives
+    device: str | None = None  # e.g. "cuda:1" or "cpu"
+    memory_bytes: int | None = None  # device memory allocated (CUDA only)
+    memory_peak_bytes: int | None = None  # peak while serving (CUDA only)
+    memory_startup_peak_bytes: int | None = None  # peak of start-up (CUDA only, once serving)
+    cuda_graph_replays: int | None = None  # None without decode CUDA graphs
+    piecewise_graph_replays: int | None = None  # None without piecewise CUDA graphs
+    # Mean expert-load balancedness per window (passes), when the rank dispatches and has run one
+    balancedness: dict[int, float] = field(default_factory=dict)
+    dispatch: DispatchStats | None = None  # None with admission off
 
 
 @dataclass
@@ -151,4 +232,4 @@ class Heartbeat:
     phase: str
     time: float  # time.time() on the rank when sent
     phase_since: float = 0.0  # time.time() when the rank entered `phase`
-    stats: dict = field(default_factory=dict)  # RankStats fields
+    stats: RankStats = field(default_factory=RankStats)

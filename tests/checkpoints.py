@@ -44,18 +44,50 @@ def build_tokenizer(out_dir: Path, vocab_size: int = 400) -> Any:
     return fast
 
 
-def write_qwen3_moe_checkpoint(
-    out_dir: Path, seed: int = 0, max_shard_size: str | None = None, **overrides: Any
+def write_checkpoint(
+    out_dir: Path,
+    family: str,
+    params: dict[str, Any],
+    seed: int = 0,
+    max_shard_size: str | None = None,
+    init: Any = None,
 ) -> Path:
-    """Random Qwen3-MoE weights saved with `save_pretrained`, plus a tokenizer."""
+    """Random weights of transformers' `{family}Config` / `{family}ForCausalLM` (e.g. "Mixtral")
+    saved with `save_pretrained`, plus a tokenizer; `params` override the config's fields
+    (`vocab_size` and `eos_token_id` default to the tokenizer's). Weights other than norms are
+    drawn from N(0, 0.08), larger than the default init, so that greedy choices are well
+    separated; `init(model)` may then adjust them (e.g. non-zero biases)."""
     import torch
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    import transformers
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(out_dir)
-    params: dict[str, Any] = dict(
+    full: dict[str, Any] = dict(
         vocab_size=max(len(tokenizer), 256) + 7,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        tie_word_embeddings=False,
+    )
+    full.update(params)
+    config = getattr(transformers, f"{family}Config")(**full)
+    torch.manual_seed(seed)
+    model = getattr(transformers, f"{family}ForCausalLM")(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, 0.08)
+        if init is not None:
+            init(model)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out_dir, **kwargs)
+    return out_dir
+
+
+def write_qwen3_moe_checkpoint(
+    out_dir: Path, seed: int = 0, max_shard_size: str | None = None, **overrides: Any
+) -> Path:
+    """Random Qwen3-MoE weights saved with `save_pretrained`, plus a tokenizer."""
+    params: dict[str, Any] = dict(
         hidden_size=64,
         intermediate_size=96,
         moe_intermediate_size=32,
@@ -69,18 +101,6 @@ def write_qwen3_moe_checkpoint(
         mlp_only_layers=[1],
         max_position_embeddings=512,
         rope_theta=10000.0,
-        tie_word_embeddings=False,
-        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
     )
     params.update(overrides)
-    config = Qwen3MoeConfig(**params)
-    torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(config)
-    # Larger than the default init so that greedy choices are well separated.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.normal_(0.0, 0.08)
-    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
-    model.save_pretrained(out_dir, **kwargs)
-    return out_dir
+    return write_checkpoint(out_dir, "Qwen3Moe", params, seed, max_shard_size)

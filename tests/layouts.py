@@ -159,10 +159,10 @@ def _dispatch_rank_main(rank: int, world: int, init: str, queue: mp.Queue) -> No
     the same tokens on every rank (tensor-parallel attention), then with each rank's own
     (attention data-parallel), which a graph step pads to one bucket on every rank."""
     try:
-        from safeserve.engine.parallel import Comm, Layout
         from safeserve.moe.dispatch import AllToAllDispatcher, CombineInput, StepTokens
         from safeserve.moe.placement import ExpertPlacement
         from safeserve.moe.topk import TopKOutput
+        from safeserve.parallel.comm import Comm, Layout
 
         experts, top_k, hidden = 8, 3, 16
         comm = Comm(Layout(rank, world, world), torch.device("cpu"))

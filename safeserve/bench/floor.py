@@ -100,7 +100,7 @@ class ModelBytes:
     dense: int  # every weight except the experts and the embedding table
     embed_row: int  # one embedding row (a step reads B of them)
     expert: int  # one expert of one layer (gate + up + down)
-    kv_token: int  # K and V of one token over all layers
+    kv_token: int  # one token's cache entries over all layers (K and V, or MLA's latent)
 
     @staticmethod
     def of(runner: Any) -> ModelBytes:
@@ -121,6 +121,6 @@ class ModelBytes:
                 continue
             seen.add(id(p))
             dense += p.numel() * p.element_size()
-        k_cache = runner.kv.layers[0][0]
-        kv_token = 2 * len(runner.kv.layers) * k_cache[0].numel() * k_cache.element_size()
+        # from the family's KV specification: K and V heads, or one latent vector (MLA)
+        kv_token = runner.kv.spec.token_bytes(runner.kv.layers[0][0].element_size())
         return ModelBytes(dense, embed[0].numel() * embed.element_size(), expert_bytes, kv_token)

@@ -93,7 +93,8 @@ def main(ns: argparse.Namespace) -> int:
         return 2
     import httpx
 
-    from safeserve.chaos.runner import ServerStartError, dump, render, run_scenario
+    from safeserve.chaos.report import as_json, dump, render
+    from safeserve.chaos.runner import ServerStartError, run_scenario
 
     try:
         report = run_scenario(
@@ -110,7 +111,7 @@ def main(ns: argparse.Namespace) -> int:
         return 3
     if ns.json:
         dump(report, ns.json)
-    print(json.dumps(report, indent=1, default=str) if ns.output == "json" else render(report))
+    print(as_json(report) if ns.output == "json" else render(report))
     return 0 if report["ok"] else 1
 
 

@@ -15,12 +15,18 @@ Definitions (README.md, Chaos runs):
   from the signal to that recovery (or the next fault, or the end); the *survivors* are the
   other groups: their tokens/s in the window ÷ baseline, and the p99 TPOT of their own requests
   (started on them) that ran in the window against their baseline p99.
+
+`build_report` puts a run's numbers together; `render` formats a report as text, `as_json` and
+`dump` as JSON.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections import Counter
+from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 from safeserve.chaos.faults import FaultRecord
@@ -235,6 +241,66 @@ def server_counters(before: dict, after: dict, groups_before: list, groups_after
     }
 
 
+def build_report(
+    sc: Scenario,
+    obs: Observer,
+    records: list[RequestRecord],
+    faults: list[FaultRecord],
+    *,
+    elapsed_s: float,
+    before: dict,
+    after: dict,
+    groups_before: list[dict[str, Any]],
+    groups_after: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """The report of a run: its requests, the baseline, each fault, the server's counters
+    (`before` and `after` are /metrics scrapes, the groups are /admin/groups views, each taken
+    before the load and after it), the dispatch and balance numbers, the per-second timeline,
+    and each goal met or missed (`ok`: every one met)."""
+    baseline, fault_rows = analyse_faults(sc, obs, records, faults)
+    report: dict[str, Any] = {
+        "scenario": sc.name,
+        "description": sc.description,
+        "load": asdict(sc.load),
+        "elapsed_s": round(elapsed_s, 3),
+        "requests": request_summary(records, sc.load.max_tokens),
+        "baseline": baseline,
+        "faults": fault_rows,
+        "server": server_counters(before, after, groups_before, groups_after),
+        "dispatch": dispatch_summary(groups_after, groups_before),
+        "balance": balance_summary(obs.samples),
+        "observer_poll_errors": obs.errors,
+        "timeline": timeline(obs),
+    }
+    report["goals"] = evaluate(sc, report)
+    report["ok"] = all(g["ok"] for g in report["goals"])
+    return report
+
+
+def timeline(obs: Observer, step: float = 1.0) -> list[dict[str, Any]]:
+    """Per second: each group's tokens/s and state (for plots and for reading a run back)."""
+    if not obs.samples:
+        return []
+    rows, t = [], step
+    while t <= obs.samples[-1].t:
+        s = min(obs.samples, key=lambda x: abs(x.t - t))
+        rows.append(
+            {
+                "t": round(t, 1),
+                "tokens_per_s": {
+                    str(g["id"]): _round(obs.rate(g["id"], t - step, t)) for g in s.groups
+                },
+                "state": {str(g["id"]): g["state"] for g in s.groups},
+            }
+        )
+        t += step
+    return rows
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 1)
+
+
 def _goal(name: str, target: Any, value: Any, ok: bool) -> dict[str, Any]:
     return {"goal": name, "target": target, "value": value, "ok": bool(ok)}
 
@@ -356,3 +422,85 @@ def memory_spread_gib(rows: list[dict[str, Any]]) -> float | None:
             spread = (max(growth) - min(growth)) / 2**30
             worst = spread if worst is None else max(worst, spread)
     return None if worst is None else round(worst, 3)
+
+
+def render(report: dict[str, Any]) -> str:
+    req = report["requests"]
+    lines = [
+        f"scenario {report['scenario']}: {'PASS' if report['ok'] else 'FAIL'} "
+        f"({report['elapsed_s']:.0f} s)",
+        f"requests: sent {req['sent']}, succeeded {req['succeeded']}, failed {req['failed']}, "
+        f"lost {req['lost']}, consistent {_pct(req['consistent'])}; "
+        f"migrations {report['server']['migrations']:.0f}, retries {report['server']['retries']:.0f}",
+        "baseline: "
+        + ", ".join(
+            f"group {g} {_num(b['tokens_per_s'])} tok/s p99 TPOT {_ms(b['p99_tpot_s'])}"
+            for g, b in report["baseline"].items()
+        ),
+    ]
+    for f in report["faults"]:
+        where = f"group {f['group']}" + (f" rank {f['rank']}" if f["rank"] is not None else "")
+        line = f"fault t={f['at_s']:.1f}s {f['action']} {where}: {'ok' if f['verified'] else 'NO EFFECT'}"
+        for key in ("detect_s", "failed_s", "ready_s", "recovered_s"):
+            if key in f:
+                line += f", {key[:-2]} {_s(f[key])}"
+        for h, s in f["survivors"].items():
+            line += (
+                f"; group {h} goodput {_pct(s['goodput_ratio'])} "
+                f"p99 TPOT {_ms(s['p99_tpot_s'])} (x{_num(s['p99_tpot_ratio'], 2)})"
+            )
+        lines.append(line)
+    for r in report["dispatch"]:
+        if r["budget"] is not None or r["memory_peak_bytes"] is not None:
+            lines.append(
+                f"group {r['group']} rank {r['rank']}: recv peak {r['recv_peak']} / budget "
+                f"{r['budget']}, cut {r['cut']}, memory {_gib(r['memory_bytes_at_start'])} at "
+                f"start, peak while serving {_gib(r['memory_peak_bytes'])} ({_growth(r)}; start-up peak {_gib(r['memory_startup_peak_bytes'])})"
+            )
+    if report.get("balance"):
+        lines.append(
+            "expert balance (10-pass window, 1 = even): "
+            + "; ".join(
+                f"group {g} min {b['min']:.2f} max {b['max']:.2f} end {b['end']:.2f}"
+                for g, b in sorted(report["balance"].items())
+            )
+        )
+    lines.append("goals:")
+    for g in report["goals"]:
+        lines.append(
+            f"  {'ok  ' if g['ok'] else 'MISS'} {g['goal']}: {g['value']} (target {g['target']})"
+        )
+    return "\n".join(lines)
+
+
+def _num(x: float | None, nd: int = 0) -> str:
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{1000 * x:.1f} ms"
+
+
+def _s(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f} s"
+
+
+def _growth(r: dict[str, Any]) -> str:
+    g = memory_growth(r)
+    return "-" if g is None else f"+{g / 2**30:.2f} GiB above its memory at the start"
+
+
+def _gib(x: float | None) -> str:
+    return "-" if x is None else f"{x / 2**30:.2f} GiB"
+
+
+def as_json(report: dict[str, Any]) -> str:
+    return json.dumps(report, indent=1, default=str)
+
+
+def dump(report: dict[str, Any], path: Path) -> None:
+    path.write_text(as_json(report))

@@ -1,18 +1,16 @@
 """`safeserve chaos run`: serve (or reach) a server, offer the scenario's load, inject its faults
-on time, watch, and report what held.
+on time and watch; what the run observed goes to `report.py`, which builds and formats the report.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -21,15 +19,7 @@ import httpx
 from safeserve.chaos.faults import FaultRecord, Injector
 from safeserve.chaos.load import Load
 from safeserve.chaos.observer import Observer
-from safeserve.chaos.report import (
-    analyse_faults,
-    balance_summary,
-    dispatch_summary,
-    evaluate,
-    memory_growth,
-    request_summary,
-    server_counters,
-)
+from safeserve.chaos.report import build_report
 from safeserve.chaos.scenario import Scenario
 from safeserve.ports import free_port
 
@@ -208,48 +198,17 @@ async def run(
         await asyncio.gather(poll, prog, return_exceptions=True)
     async with httpx.AsyncClient(timeout=10.0) as c:
         after, groups_after = await asyncio.gather(obs.metrics(c), obs.groups(c))
-    baseline, fault_rows = analyse_faults(sc, obs, load.records, faults)
-    report: dict[str, Any] = {
-        "scenario": sc.name,
-        "description": sc.description,
-        "load": asdict(sc.load),
-        "elapsed_s": round(load.now(), 3),
-        "requests": request_summary(load.records, sc.load.max_tokens),
-        "baseline": baseline,
-        "faults": fault_rows,
-        "server": server_counters(before, after, groups_before, groups_after),
-        "dispatch": dispatch_summary(groups_after, groups_before),
-        "balance": balance_summary(obs.samples),
-        "observer_poll_errors": obs.errors,
-        "timeline": timeline(obs),
-    }
-    report["goals"] = evaluate(sc, report)
-    report["ok"] = all(g["ok"] for g in report["goals"])
-    return report
-
-
-def timeline(obs: Observer, step: float = 1.0) -> list[dict[str, Any]]:
-    """Per second: each group's tokens/s and state (for plots and for reading a run back)."""
-    if not obs.samples:
-        return []
-    rows, t = [], step
-    while t <= obs.samples[-1].t:
-        s = min(obs.samples, key=lambda x: abs(x.t - t))
-        rows.append(
-            {
-                "t": round(t, 1),
-                "tokens_per_s": {
-                    str(g["id"]): _round(obs.rate(g["id"], t - step, t)) for g in s.groups
-                },
-                "state": {str(g["id"]): g["state"] for g in s.groups},
-            }
-        )
-        t += step
-    return rows
-
-
-def _round(x: float | None) -> float | None:
-    return None if x is None else round(x, 1)
+    return build_report(
+        sc,
+        obs,
+        load.records,
+        faults,
+        elapsed_s=load.now(),
+        before=before,
+        after=after,
+        groups_before=groups_before,
+        groups_after=groups_after,
+    )
 
 
 def run_scenario(
@@ -284,81 +243,3 @@ def run_scenario(
     if server is not None:
         report["server_log"] = str(server.log)
     return report
-
-
-def render(report: dict[str, Any]) -> str:
-    req = report["requests"]
-    lines = [
-        f"scenario {report['scenario']}: {'PASS' if report['ok'] else 'FAIL'} "
-        f"({report['elapsed_s']:.0f} s)",
-        f"requests: sent {req['sent']}, succeeded {req['succeeded']}, failed {req['failed']}, "
-        f"lost {req['lost']}, consistent {_pct(req['consistent'])}; "
-        f"migrations {report['server']['migrations']:.0f}, retries {report['server']['retries']:.0f}",
-        "baseline: "
-        + ", ".join(
-            f"group {g} {_num(b['tokens_per_s'])} tok/s p99 TPOT {_ms(b['p99_tpot_s'])}"
-            for g, b in report["baseline"].items()
-        ),
-    ]
-    for f in report["faults"]:
-        where = f"group {f['group']}" + (f" rank {f['rank']}" if f["rank"] is not None else "")
-        line = f"fault t={f['at_s']:.1f}s {f['action']} {where}: {'ok' if f['verified'] else 'NO EFFECT'}"
-        for key in ("detect_s", "failed_s", "ready_s", "recovered_s"):
-            if key in f:
-                line += f", {key[:-2]} {_s(f[key])}"
-        for h, s in f["survivors"].items():
-            line += (
-                f"; group {h} goodput {_pct(s['goodput_ratio'])} "
-                f"p99 TPOT {_ms(s['p99_tpot_s'])} (x{_num(s['p99_tpot_ratio'], 2)})"
-            )
-        lines.append(line)
-    for r in report["dispatch"]:
-        if r["budget"] is not None or r["memory_peak_bytes"] is not None:
-            lines.append(
-                f"group {r['group']} rank {r['rank']}: recv peak {r['recv_peak']} / budget "
-                f"{r['budget']}, cut {r['cut']}, memory {_gib(r['memory_bytes_at_start'])} at "
-                f"start, peak while serving {_gib(r['memory_peak_bytes'])} ({_growth(r)}; start-up peak {_gib(r['memory_startup_peak_bytes'])})"
-            )
-    if report.get("balance"):
-        lines.append(
-            "expert balance (10-pass window, 1 = even): "
-            + "; ".join(
-                f"group {g} min {b['min']:.2f} max {b['max']:.2f} end {b['end']:.2f}"
-                for g, b in sorted(report["balance"].items())
-            )
-        )
-    lines.append("goals:")
-    for g in report["goals"]:
-        lines.append(
-            f"  {'ok  ' if g['ok'] else 'MISS'} {g['goal']}: {g['value']} (target {g['target']})"
-        )
-    return "\n".join(lines)
-
-
-def _num(x: float | None, nd: int = 0) -> str:
-    return "-" if x is None else f"{x:.{nd}f}"
-
-
-def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{100 * x:.1f}%"
-
-
-def _ms(x: float | None) -> str:
-    return "-" if x is None else f"{1000 * x:.1f} ms"
-
-
-def _s(x: float | None) -> str:
-    return "-" if x is None else f"{x:.2f} s"
-
-
-def _growth(r: dict[str, Any]) -> str:
-    g = memory_growth(r)
-    return "-" if g is None else f"+{g / 2**30:.2f} GiB above its memory at the start"
-
-
-def _gib(x: float | None) -> str:
-    return "-" if x is None else f"{x / 2**30:.2f} GiB"
-
-
-def dump(report: dict[str, Any], path: Path) -> None:
-    path.write_text(json.dumps(report, indent=1, default=str))

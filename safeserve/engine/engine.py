@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 
 from safeserve.config import ServerArgs
 from safeserve.engine.isolation import bisect_step
@@ -28,7 +29,7 @@ from safeserve.engine.request import Request
 from safeserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from safeserve.engine.warm_up import warm_up
 from safeserve.guards.prefill_sizing import PrefillSizer, PrefillSizing
-from safeserve.messages import EngineStats, InjectFault, RequestOutput, SamplingParams
+from safeserve.messages import EngineStats, GuardSizing, InjectFault, RequestOutput, SamplingParams
 from safeserve.model.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ class Engine:
         guard = self.runner.guard_sizing()
         self.sizer = PrefillSizer(
             args.prefill_sizing,
-            guard["dispatch_budget_tokens"],
+            guard.dispatch_budget_tokens,
             dp_size,
             args.max_num_batched_tokens,
             args.chunked_prefill_size,
@@ -101,9 +102,9 @@ class Engine:
         self.scheduler.token_budget = sizing.step_tokens
         self.scheduler.chunk = min(sizing.chunk, sizing.step_tokens)
 
-    def guards(self) -> dict:
+    def guards(self) -> GuardSizing:
         """Effective admission budget and prefill sizing (GET /admin/config shows them)."""
-        return {**self.guard_info, "prefill": self.sizer.sizing.to_dict()}
+        return replace(self.guard_info, prefill=self.sizer.sizing)
 
     def inject_fault(self, fault: InjectFault) -> None:
         if fault.kind == "clear":

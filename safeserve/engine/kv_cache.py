@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from safeserve.engine.request import Request
+from safeserve.model.spec import KVSpec
 
 if TYPE_CHECKING:
     from safeserve.config import ServerArgs
@@ -73,7 +74,9 @@ class BlockAllocator:
 
 
 class KVCache:
-    """Per layer, one key and one value tensor `[num_blocks * block_size, kv_heads, head_dim]`."""
+    """Per layer a key and a value tensor `[num_blocks * block_size, heads, dim]`, as the
+    family's KV specification says (`model/spec.py`, KVSpec); where the values are part of the
+    one latent vector a token keeps (`v_in_k`), the value tensor is a view of the key tensor."""
 
     def __init__(
         self,
@@ -85,21 +88,40 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str,
     ) -> None:
-        shape = (num_blocks * block_size, num_kv_heads, head_dim)
-        # Uninitialized on purpose: a slot is always written before it is read.
-        self.layers = [
-            (
-                torch.empty(shape, dtype=dtype, device=device),
-                torch.empty(shape, dtype=dtype, device=device),
-            )
-            for _ in range(num_layers)
-        ]
+        """A cache of K and V heads of one size (grouped-query attention)."""
+        spec = KVSpec(num_layers, num_kv_heads, head_dim, head_dim)
+        self._build(spec, num_blocks * block_size, dtype, device)
+
+    @classmethod
+    def from_spec(
+        cls,
+        spec: KVSpec,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> KVCache:
+        cache = cls.__new__(cls)
+        cache._build(spec, num_blocks * block_size, dtype, device)
+        return cache
+
+    def _build(
+        self, spec: KVSpec, slots: int, dtype: torch.dtype, device: torch.device | str
+    ) -> None:
+        self.spec = spec
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for _ in range(spec.num_layers):
+            # Uninitialized on purpose: a slot is always written before it is read.
+            k = torch.empty(slots, spec.num_heads, spec.k_dim, dtype=dtype, device=device)
+            if spec.v_in_k:
+                v = k[..., : spec.v_dim]
+            else:
+                v = torch.empty(slots, spec.num_heads, spec.v_dim, dtype=dtype, device=device)
+            self.layers.append((k, v))
 
     @staticmethod
-    def bytes_per_block(
-        num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
-    ) -> int:
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+    def bytes_per_block(spec: KVSpec, block_size: int, dtype: torch.dtype) -> int:
+        return block_size * spec.token_bytes(dtype.itemsize)
 
 
 def kv_blocks_from_memory(

@@ -14,21 +14,23 @@ from collections.abc import Callable
 import torch
 
 from safeserve.config import ServerArgs
-from safeserve.engine.attention import AttentionMetadata
-from safeserve.engine.cuda_graph import DecodeCudaGraphs, TableUpload
+from safeserve.engine.cuda_graph import DecodeCudaGraphs
 from safeserve.engine.kv_cache import KVCache, kv_blocks_from_memory
 from safeserve.engine.logprobs import prompt_logprobs, sampled_logprobs
 from safeserve.engine.outcome import RankResult, apply_request_faults
-from safeserve.engine.parallel import Comm, Layout
 from safeserve.engine.piecewise_graph import PiecewiseCudaGraphs
 from safeserve.engine.plan import Faults, SeqPlan, StepPlan
 from safeserve.engine.sampler import sample
 from safeserve.guards.admission import DispatchBuffers, bytes_per_recv_row
 from safeserve.kernels.common import set_pdl
+from safeserve.layers.block_tables import TableUpload
+from safeserve.layers.paged_attention import AttentionMetadata
+from safeserve.messages import DispatchSizing, DispatchStats, GuardSizing, RankStats
+from safeserve.model import registry
 from safeserve.model.loader import DTYPES, build_model, load_model_config
 from safeserve.model.sharding import expert_split, head_split
 from safeserve.moe.dispatch import StepTokens, make_dispatcher
-from safeserve.moe.eplb import balancedness
+from safeserve.parallel.comm import Comm, Layout
 
 logger = logging.getLogger(__name__)
 
@@ -83,16 +85,10 @@ class ModelRunner:
                 layer.mlp.on_phase = self._moe_phase
         self.step_id = 0
         self.max_model_len = args.max_model_len or cfg.max_position_embeddings
+        self.kv_spec = registry.kv_spec(cfg, self.layout)
         self.num_blocks = self._agree_min(self._num_kv_blocks())
-        heads = head_split(cfg, self.layout)
-        self.kv = KVCache(
-            cfg.num_hidden_layers,
-            self.num_blocks,
-            args.block_size,
-            heads.num_kv_heads,
-            cfg.head_dim,
-            DTYPES[args.dtype],
-            self.device,
+        self.kv = KVCache.from_spec(
+            self.kv_spec, self.num_blocks, args.block_size, DTYPES[args.dtype], self.device
         )
         self.buffers = self._setup_admission()
         self.faults = Faults()
@@ -117,7 +113,18 @@ class ModelRunner:
         and mixed: engine/piecewise_graph.py): CUDA and not disabled. Every layout: the
         `alltoall` backend dispatches captured steps as `none` does (moe/dispatch/alltoall.py),
         and with attention data-parallel every rank replays the largest rank's bucket."""
-        return self.device.type == "cuda" and not self.args.disable_cuda_graph
+        return (
+            self.device.type == "cuda"
+            and not self.args.disable_cuda_graph
+            and self.attention_kernels
+        )
+
+    @property
+    def attention_kernels(self) -> bool:
+        """Whether the paged-attention kernels serve this family's cache: K and V heads of one
+        size. A cache of one latent vector per token (MLA) attends through the torch path."""
+        spec = self.kv_spec
+        return not spec.v_in_k and spec.k_dim == spec.v_dim
 
     def capture_cuda_graphs(self) -> None:
         """Decode steps as CUDA graphs, then prefill and mixed steps as piecewise ones; each
@@ -149,7 +156,8 @@ class ModelRunner:
             self.kv.layers,
             max_tokens,
             head_split(self.config, self.layout).num_heads,
-            self.config.head_dim,
+            self.kv_spec.k_dim,
+            self.kv_spec.v_dim,
             DTYPES[args.dtype],
             self.device,
             dispatcher=self.dispatcher,
@@ -207,22 +215,19 @@ class ModelRunner:
         self.dispatcher.buffers = buffers
         return buffers
 
-    def guard_sizing(self) -> dict:
+    def guard_sizing(self) -> GuardSizing:
         """The numbers the leader sizes prefill chunks from (and /admin/config shows)."""
+        if self.buffers is None:
+            return GuardSizing()
         cfg = self.config
-        info: dict = {
-            "dispatch_budget_tokens": self.buffers.max_recv_tokens if self.buffers else None
-        }
-        if self.buffers is not None:
-            placement = expert_split(cfg, self.layout)[0]
-            info.update(
-                dispatch_buffer_bytes=self.buffers.nbytes,
-                bytes_per_recv_row=self.buffers.row_bytes(),
-                attention_groups=self.layout.dp_size,
-                top_k=cfg.num_experts_per_tok,
-                local_experts=placement.experts_per_rank,
-            )
-        return info
+        dispatch = DispatchSizing(
+            buffer_bytes=self.buffers.nbytes,
+            bytes_per_recv_row=self.buffers.row_bytes(),
+            attention_groups=self.layout.dp_size,
+            top_k=cfg.num_experts_per_tok,
+            local_experts=expert_split(cfg, self.layout)[0].experts_per_rank,
+        )
+        return GuardSizing(self.buffers.max_recv_tokens, dispatch)
 
     def begin_serving(self) -> None:
         """Called when the group idles (the first time: start-up is over). From then on
@@ -237,29 +242,28 @@ class ModelRunner:
         if self.dispatcher is not None:
             self.dispatcher.balance.clear()
 
-    def stats(self) -> dict:
+    def stats(self) -> RankStats:
         """What this rank's heartbeats carry besides (step, phase)."""
-        out: dict = {"own_step_s": self.last_own_step_s, "device": str(self.device)}
+        out = RankStats(own_step_s=self.last_own_step_s, device=str(self.device))
         if self.device.type == "cuda":
-            out["memory_bytes"] = torch.cuda.memory_allocated(self.device)
-            out["memory_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
-            if self.startup_peak_bytes is not None:
-                out["memory_startup_peak_bytes"] = self.startup_peak_bytes
+            out.memory_bytes = torch.cuda.memory_allocated(self.device)
+            out.memory_peak_bytes = torch.cuda.max_memory_allocated(self.device)
+            out.memory_startup_peak_bytes = self.startup_peak_bytes
         if self.cuda_graphs is not None:
-            out["cuda_graph_replays"] = self.cuda_graphs.replays
+            out.cuda_graph_replays = self.cuda_graphs.replays
         if self.piecewise is not None:
-            out["piecewise_graph_replays"] = self.piecewise.replays
+            out.piecewise_graph_replays = self.piecewise.replays
         if self.dispatcher is not None:
-            out.update(balancedness.stats_keys(self.dispatcher.balance))
+            out.balancedness = self.dispatcher.balance.window_means()
         if self.buffers is not None:
             st = self.buffers.stats
-            out.update(
-                dispatch_budget_tokens=st.budget,
-                dispatch_recv_tokens_peak=st.recv_peak,
-                dispatch_rounds_total=st.rounds_total,
-                dispatch_cut_total=st.dispatches_cut,
-                dispatch_buffer_bytes=st.buffer_bytes,
-                dispatch_buffer_peak_bytes=st.buffer_peak_bytes,
+            out.dispatch = DispatchStats(
+                budget_tokens=st.budget,
+                recv_tokens_peak=st.recv_peak,
+                rounds_total=st.rounds_total,
+                cut_total=st.dispatches_cut,
+                buffer_bytes=st.buffer_bytes,
+                buffer_peak_bytes=st.buffer_peak_bytes,
             )
         return out
 
@@ -272,16 +276,10 @@ class ModelRunner:
         self.faults = faults
 
     def _num_kv_blocks(self) -> int:
-        args, cfg = self.args, self.config
+        args = self.args
         if args.num_kv_blocks is not None:
             return args.num_kv_blocks
-        per_block = KVCache.bytes_per_block(
-            cfg.num_hidden_layers,
-            args.block_size,
-            head_split(cfg, self.layout).num_kv_heads,
-            cfg.head_dim,
-            DTYPES[args.dtype],
-        )
+        per_block = KVCache.bytes_per_block(self.kv_spec, args.block_size, DTYPES[args.dtype])
         return kv_blocks_from_memory(args, per_block, self.device, self.max_model_len)
 
     def _agree_min(self, value: int) -> int:
@@ -409,6 +407,7 @@ class ModelRunner:
             [s.block_table for s in seqs],
             self.args.block_size,
             self.device,
+            use_kernels=self.attention_kernels,
             table_ids=[s.table_id for s in seqs],
             tables=self.eager_tables,
         )

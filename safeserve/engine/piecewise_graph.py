@@ -35,8 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
-from safeserve.engine.attention import AttentionMetadata, attend
 from safeserve.engine.cuda_graph import begin_bucket_step, host_tape, smallest_bucket
+from safeserve.layers.paged_attention import AttentionMetadata, attend
 from safeserve.moe.dispatch.base import Dispatcher
 
 logger = logging.getLogger(__name__)
@@ -70,7 +70,8 @@ class PiecewiseCudaGraphs:
         kv_layers: list[tuple[torch.Tensor, torch.Tensor]],
         max_tokens: int,
         num_heads: int,
-        head_dim: int,
+        q_dim: int,
+        out_dim: int,
         dtype: torch.dtype,
         device: torch.device,
         dispatcher: Dispatcher | None = None,
@@ -89,8 +90,9 @@ class PiecewiseCudaGraphs:
         self.host = torch.zeros(2, max_tokens, dtype=torch.int64, pin_memory=True)
         self.uploaded = torch.cuda.Event()
         # Queries out of a piece, attention output into the next: one buffer each, all layers.
-        self.q_buf = torch.zeros(max_tokens, num_heads, head_dim, dtype=dtype, device=device)
-        self.attn_out = torch.zeros_like(self.q_buf)
+        # (Per head: q as the cache's keys, the output as its values: `KVSpec.k_dim`, `v_dim`.)
+        self.q_buf = torch.zeros(max_tokens, num_heads, q_dim, dtype=dtype, device=device)
+        self.attn_out = torch.zeros(max_tokens, num_heads, out_dim, dtype=dtype, device=device)
         self.pieces: dict[int, list[_Piece]] = {}
         self.hidden: dict[int, torch.Tensor] = {}
         self.tapes: dict[int, list[Callable[[], None]]] = {}

@@ -26,6 +26,7 @@ from safeserve.messages import (
     GroupReady,
     Heartbeat,
     InjectFault,
+    RankStats,
     RequestOutput,
     Shutdown,
     StepOutputs,
@@ -56,7 +57,7 @@ class _Heartbeats:
         self.group, self.rank, self.pid = group, rank, os.getpid()
         self.interval = interval
         self.step, self.phase, self.phase_since = 0, "starting", time.time()
-        self.stats: Callable[[], dict] = dict
+        self.stats: Callable[[], RankStats] = RankStats
         self._wake = threading.Event()
         threading.Thread(target=self._run, name="heartbeat", daemon=True).start()
 
@@ -69,7 +70,7 @@ class _Heartbeats:
             try:
                 stats = self.stats()
             except Exception:  # stats must never stop the beat
-                stats = {}
+                stats = RankStats()
             msg = Heartbeat(
                 self.group,
                 self.rank,

@@ -5,19 +5,32 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
-from safeserve.messages import SamplingParams
+from safeserve.messages import RequestOutput, SamplingParams
 
-if TYPE_CHECKING:
-    from safeserve.engine.engine import Engine
+
+class Warmable(Protocol):
+    """What the warm-up drives (an `Engine`)."""
+
+    scheduler: Any
+    runner: Any
+    config: Any
+    max_model_len: int
+
+    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> Any: ...
+
+    def has_work(self) -> bool: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
 
 logger = logging.getLogger(__name__)
 
 
-def warm_up(engine: Engine) -> None:
+def warm_up(engine: Warmable) -> None:
     """Prefills of every size class before the group reports READY, so the first clients do
     not pay for first-time work: kernel compilation (Triton builds one variant per MoE tile
     config, which the token count picks, and per divisibility of integer arguments) and the

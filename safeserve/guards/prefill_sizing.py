@@ -12,41 +12,13 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import asdict, dataclass
+
+from safeserve.messages import PrefillSizing
 
 logger = logging.getLogger(__name__)
 
 OBSERVED_WINDOW_STEPS = 200
 MIN_OBSERVED_SHARE = 0.05  # never size as if the hottest rank got less than this share
-
-
-@dataclass
-class PrefillSizing:
-    mode: str
-    budget: int | None  # rows a rank may receive per round (None: admission off)
-    attention_groups: int
-    max_num_batched_tokens: int
-    step_tokens: int  # token budget of one step, per attention group
-    chunk: int  # prompt tokens of one request per step
-    safe_step_tokens: int | None  # the largest step budget that needs no second round
-    share: float  # share of a step's tokens the busiest rank is assumed to receive
-    explicit_chunk: int | None = None
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    def describe(self) -> str:
-        if self.budget is None:
-            return (
-                f"prefill sizing: admission off; step budget {self.step_tokens} tokens, "
-                f"chunk {self.chunk} per attention group"
-            )
-        return (
-            f"prefill sizing {self.mode}: dispatch budget {self.budget} rows/rank, "
-            f"{self.attention_groups} attention group(s), busiest-rank share {self.share:.2f} -> "
-            f"safe step {self.safe_step_tokens} tokens per group; step budget {self.step_tokens}, "
-            f"chunk {self.chunk} per group (--max-num-batched-tokens {self.max_num_batched_tokens})"
-        )
 
 
 def size_prefill(

@@ -1,5 +1,5 @@
 """The query of death: a request that crashes whichever group runs it must not crash the groups
-one after another (DESIGN: a fault costs at most one group).
+one after another: a fault costs at most one group, never the service.
 
 The rule (`QueryOfDeath`, one per frontend):
 

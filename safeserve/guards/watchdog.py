@@ -165,7 +165,8 @@ class Watchdog:
         reports: dict[int, str] | None = None,
         gone_at: dict[int, float] | None = None,
     ) -> list[Verdict]:
-        """`ranks`: rank -> status with pid, step, phase, phase_since, received_at, stats.
+        """`ranks`: rank -> status with pid, step, phase, phase_since, received_at and stats (its
+        last heartbeat's RankStats).
         `exitcodes` (when known) and `reports` (rank -> the fatal error it reported, in the
         order they came) order the dead ranks, the culprit first: one killed by a signal, then
         one that exited silently, then those that reported, first report first (a rank whose
@@ -187,9 +188,7 @@ class Watchdog:
 
             dead.sort(key=culprit_first)
             return [death_verdict(group, r, ranks[r].pid, codes.get(r), said.get(r)) for r in dead]
-        utils = {
-            r: self.utilization(group, r, st.pid, st.stats.get("device")) for r, st in ranks.items()
-        }
+        utils = {r: self.utilization(group, r, st.pid, st.stats.device) for r, st in ranks.items()}
         # A rank that stopped beating: stopped (SIGSTOP), hung, or starved.
         ages = {r: now - st.received_at for r, st in ranks.items()}
         worst = max(ages, key=lambda r: ages[r])
@@ -232,7 +231,7 @@ class Watchdog:
         if len(ranks) < 2:
             return []
         now = time.monotonic()
-        own = {r: float(st.stats.get("own_step_s", 0.0)) for r, st in ranks.items()}
+        own = {r: st.stats.own_step_s for r, st in ranks.items()}
         out = []
         for r, mine in own.items():
             peers = statistics.median(v for k, v in own.items() if k != r)

@@ -58,6 +58,7 @@ from safeserve.kernels.common import (
 )
 from safeserve.kernels.moe_align import moe_align
 from safeserve.kernels.moe_config import PAIR_MODES, Config, fit_config, get_config, smem_budget
+from safeserve.kernels.moe_reference import grouped_experts_torch
 
 if HAS_TRITON:
     from safeserve.kernels.fused_moe_chunk_kernels import _chunk_kernel, _chunk_sum_kernel
@@ -106,8 +107,6 @@ def fused_moe(
     """
     _check_inputs(hidden_states, w13, w2, topk_weights, topk_ids)
     if not use_kernels(hidden_states):
-        from safeserve.moe.runner import grouped_experts_torch
-
         return grouped_experts_torch(hidden_states, w13, w2, topk_ids, topk_weights)
     call = MoeLaunch(hidden_states, w13, w2, topk_weights, topk_ids, config)
     if call.num_pairs == 0:

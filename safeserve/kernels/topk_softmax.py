@@ -1,11 +1,13 @@
 """Router top-k: softmax over the experts in float32, the top k, optional renormalisation, and
 the logical -> physical expert-id map, in one Triton kernel (`fused_topk_softmax`), with its
-torch reference (`topk_softmax_torch`). `router_topk`, which for decode-sized batches also runs
+torch references (`softmax_topk`, the routers' CPU path; `topk_softmax_torch`; `skew_ids`, the
+route-skew fault injection as the kernels apply it). `router_topk`, which for decode-sized batches also runs
 the router GEMM in that launch, is in `safeserve.kernels.router_topk`."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from safeserve.kernels.common import (
     HAS_TRITON,
@@ -18,12 +20,29 @@ from safeserve.kernels.common import (
 )
 
 
+def softmax_topk(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, out_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over experts in float32, take the top k, optionally renormalize them to sum to 1."""
+    probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(out_dtype), ids
+
+
+def skew_ids(ids: torch.Tensor, skew: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Route skew (fault injection), as the router kernels apply it: where skew[0] >= 0, every
+    row's ids become skew, skew + 1, ... (mod num_experts); else `ids` unchanged. No host sync."""
+    top_k = ids.shape[-1]
+    skewed = (skew + torch.arange(top_k, device=ids.device)) % num_experts
+    return torch.where(skew >= 0, skewed.to(ids.dtype).expand_as(ids), ids)
+
+
 def topk_softmax_torch(
     router_logits: torch.Tensor, top_k: int, renormalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference for `fused_topk_softmax`: float32 weights, int32 ids."""
-    from safeserve.moe.topk import softmax_topk
-
     weights, ids = softmax_topk(router_logits, top_k, renormalize, torch.float32)
     return weights, ids.to(torch.int32)
 
@@ -147,13 +166,11 @@ def fused_topk_softmax(
     ([E] int64, logical -> physical), the mapped ids as int64, mapped inside the same kernel.
     `skew` ([1] int64 on the device): where it holds an expert id e >= 0, every row's ids
     are e, e + 1, ... (mod E) instead (fault injection), read on the device at run time.
-    Reference: `topk_softmax_torch` (+ `safeserve.moe.topk.skew_ids`).
+    Reference: `topk_softmax_torch` (+ `skew_ids`).
     """
     if not use_kernels(router_logits):
         weights, ids = topk_softmax_torch(router_logits, top_k, renormalize)
         if skew is not None:
-            from safeserve.moe.topk import skew_ids
-
             ids = skew_ids(ids, skew, router_logits.shape[-1])
         if expert_map is not None:
             ids = expert_map[ids.to(torch.int64)]

@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING
 from safetensors import safe_open
 
 from safeserve.config import TINY_MODEL
-from safeserve.engine.layout import Layout
-from safeserve.model.config import ModelConfig
-from safeserve.model.sharding import ExpertSlice, Slice, shard_specs
+from safeserve.model import registry
+from safeserve.model.config import ModelConfig, ModelConfigError
+from safeserve.model.spec import ExpertSource, Slice
+from safeserve.parallel.layout import Layout
 
 if TYPE_CHECKING:
     import torch
@@ -50,12 +51,20 @@ class LoadError(ValueError):
 
 
 def load_model_config(model: str) -> ModelConfig:
+    """The family's config of `--model` (ModelConfigError, one line, where it is unservable)."""
     if model == TINY_MODEL:
-        return ModelConfig.from_dict(TINY_CONFIG)
+        return registry.parse_config(TINY_CONFIG)
     path = Path(model)
     if not path.is_dir():
         raise LoadError(f"--model {model!r} is neither 'tiny' nor a local checkpoint directory")
-    return ModelConfig.from_file(path / "config.json")
+    config = path / "config.json"
+    try:
+        d = json.loads(config.read_text())
+    except FileNotFoundError as e:
+        raise ModelConfigError(f"no config.json at {config}") from e
+    except json.JSONDecodeError as e:
+        raise ModelConfigError(f"{config} is not valid JSON: {e}") from e
+    return registry.parse_config(d)
 
 
 class _Checkpoint:
@@ -116,7 +125,6 @@ def check_checkpoint(model: str, cfg: ModelConfig) -> None:
         raise
     except Exception as e:  # unreadable index or safetensors header
         raise LoadError(f"cannot read the checkpoint in {model}: {e}") from e
-    h, w = cfg.hidden_size, cfg.moe_intermediate_size
 
     def expect(name: str, shape: tuple[int, ...]) -> None:
         if name not in ckpt:
@@ -124,32 +132,23 @@ def check_checkpoint(model: str, cfg: ModelConfig) -> None:
         if ckpt.shape(name) != shape:
             raise LoadError(f"{name}: checkpoint shape {ckpt.shape(name)} != expected {shape}")
 
-    for name, (full_shape, piece) in sorted(shard_specs(cfg, Layout()).items()):
-        if not isinstance(piece, ExpertSlice):
-            expect(_hf_name(name), full_shape)
+    for _, spec in sorted(registry.weight_specs(cfg, Layout()).items()):
+        if isinstance(spec.source, str):
+            expect(spec.source, spec.shape)
             continue
-        prefix, fused = _expert_names(name, piece)
-        if fused in ckpt:
-            expect(fused, full_shape)
+        if spec.source.fused is not None and spec.source.fused in ckpt:
+            expect(spec.source.fused, spec.shape)
             continue
-        for e in range(cfg.num_experts):
-            if piece.is_w13:
-                expect(f"{prefix}{e}.gate_proj.weight", (w, h))
-                expect(f"{prefix}{e}.up_proj.weight", (w, h))
-            else:
-                expect(f"{prefix}{e}.down_proj.weight", (h, w))
+        for e in range(spec.shape[0]):
+            for name, shape in zip(
+                spec.source.expert_names(e), expert_shapes(spec.source, spec.shape), strict=True
+            ):
+                expect(name, shape)
 
 
-def _hf_name(name: str) -> str:
-    if name == "lm_head.weight":
-        return name
-    if name.endswith("self_attn.o_bias"):
-        return "model." + name.replace("o_bias", "o_proj.bias")
-    return "model." + name
-
-
-def _expert_names(name: str, piece: ExpertSlice) -> tuple[str, str]:
-    """For our stacked expert parameter `name`: the checkpoint's per-expert prefix
-    (`model.layers.L.mlp.experts.`) and its fused tensor's name (gate_up_proj / down_proj)."""
-    prefix = "model." + name.rsplit(".", 1)[0] + "."
-    return prefix, prefix + ("gate_up_proj" if piece.is_w13 else "down_proj")
+def expert_shapes(source: ExpertSource, full: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """The shape of each per-expert tensor of a stacked parameter of shape `full`: gate and up
+    [I, H] each of w13 [E, 2I, H] (two names), or down [H, I] of w2 [E, H, I] (one name)."""
+    rows, cols = full[1], full[2]
+    parts = len(source.per_expert)
+    return [(rows // parts, cols)] * parts

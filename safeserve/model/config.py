@@ -1,17 +1,66 @@
-"""The architecture facts a rank needs, read from a Hugging Face `config.json`."""
+"""The architecture facts every family shares, read from a Hugging Face `config.json`.
+
+A family's config (`safeserve/model/<family>/spec.py`) is a subclass that adds its own fields and
+its rule for which layers are MoE layers; `safeserve.model.registry.parse_config` picks the
+family from `model_type` (or `architectures`).
+"""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
-
-SUPPORTED_MODEL_TYPES = ("qwen3_moe",)
 
 
 class ModelConfigError(ValueError):
     """The checkpoint's config cannot be served; the message says why in one line."""
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding: default (`theta` only) or YaRN (`factor`, the original context, the
+    ramp's `beta_fast` / `beta_slow`, and the attention-scale terms `mscale`, `mscale_all_dim`,
+    `attention_factor`)."""
+
+    theta: float = 10000.0
+    type: str = "default"
+    factor: float = 1.0
+    original_max_position_embeddings: int = 0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    attention_factor: float | None = None
+    truncate: bool = True
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], allowed: tuple[str, ...]) -> RopeConfig:
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        rope_type = (rope.get("rope_type") or rope.get("type") or "default") if rope else "default"
+        if rope_type not in allowed:
+            raise ModelConfigError(
+                f"rope_type {rope_type!r} is not supported for {d.get('model_type')} "
+                f"(supported: {', '.join(allowed)})"
+            )
+        theta = float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
+        if rope_type == "default":
+            return cls(theta=theta)
+        return cls(
+            theta=theta,
+            type=rope_type,
+            factor=float(rope.get("factor") or 1.0),
+            original_max_position_embeddings=int(
+                rope.get("original_max_position_embeddings")
+                or d.get("original_max_position_embeddings")
+                or d.get("max_position_embeddings", 4096)
+            ),
+            beta_fast=float(rope.get("beta_fast") or 32.0),
+            beta_slow=float(rope.get("beta_slow") or 1.0),
+            # absent: 0, as transformers' YaRN uses both terms only where both are given
+            mscale=float(rope.get("mscale") or 0.0),
+            mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0),
+            attention_factor=rope.get("attention_factor"),
+            truncate=bool(rope.get("truncate", True)),
+        )
 
 
 @dataclass
@@ -23,15 +72,13 @@ class ModelConfig:
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
-    intermediate_size: int
-    moe_intermediate_size: int
-    num_experts: int
+    intermediate_size: int  # dense layers' FFN width (0: none)
+    moe_intermediate_size: int  # one routed expert's FFN width
+    num_experts: int  # routed experts (0: a dense model)
     num_experts_per_tok: int
     norm_topk_prob: bool
-    decoder_sparse_step: int
-    mlp_only_layers: list[int]
     rms_norm_eps: float
-    rope_theta: float
+    rope: RopeConfig
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool
@@ -40,64 +87,56 @@ class ModelConfig:
     bos_token_id: int | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
-    def is_moe_layer(self, layer: int) -> bool:
-        """Same rule as transformers' Qwen3-MoE decoder layer."""
-        return (
-            layer not in self.mlp_only_layers
-            and self.num_experts > 0
-            and (layer + 1) % self.decoder_sparse_step == 0
-        )
+    @property
+    def rope_theta(self) -> float:
+        return self.rope.theta
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
-        model_type = d.get("model_type", "")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ModelConfigError(
-                f"model_type {model_type!r} is not supported (supported: "
-                f"{', '.join(SUPPORTED_MODEL_TYPES)})"
-            )
+    def is_moe_layer(self, layer: int) -> bool:
+        """Every layer of a model with experts; families with dense layers override it."""
+        return self.num_experts > 0
+
+    @staticmethod
+    def common(d: dict[str, Any], rope_types: tuple[str, ...] = ("default",)) -> dict[str, Any]:
+        """The shared fields of `d`, as keyword arguments of a family's config class."""
         hidden_act = d.get("hidden_act", "silu")
         if hidden_act != "silu":
             raise ModelConfigError(f"hidden_act {hidden_act!r} is not supported (only silu)")
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default")) if rope else "default"
-        if rope_type not in ("default", None):
-            raise ModelConfigError(f"rope_type {rope_type!r} is not supported (only default RoPE)")
-        rope_theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
+        if d.get("quantization_config"):
+            method = (d.get("quantization_config") or {}).get("quant_method")
+            raise ModelConfigError(
+                f"quantized checkpoints are not supported (quant_method {method!r})"
+            )
         if d.get("use_sliding_window") and d.get("sliding_window"):
             raise ModelConfigError("sliding-window attention is not supported")
-        num_heads = d["num_attention_heads"]
-        head_dim = d.get("head_dim") or d["hidden_size"] // num_heads
-        eos = d.get("eos_token_id")
-        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
-        cfg = cls(
-            model_type=model_type,
-            vocab_size=d["vocab_size"],
-            hidden_size=d["hidden_size"],
-            num_hidden_layers=d["num_hidden_layers"],
-            num_attention_heads=num_heads,
-            num_key_value_heads=d.get("num_key_value_heads") or num_heads,
-            head_dim=head_dim,
-            intermediate_size=d.get("intermediate_size", 0),
-            moe_intermediate_size=d.get("moe_intermediate_size", 0),
-            # transformers 5 writes `num_local_experts`; older configs `num_experts`.
-            num_experts=d.get("num_experts") or d.get("num_local_experts") or 0,
-            num_experts_per_tok=d.get("num_experts_per_tok", 0),
-            norm_topk_prob=bool(d.get("norm_topk_prob", False)),
-            decoder_sparse_step=d.get("decoder_sparse_step", 1) or 1,
-            mlp_only_layers=list(d.get("mlp_only_layers") or []),
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope_theta),
-            max_position_embeddings=d.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=bool(d.get("attention_bias", False)),
-            hidden_act=hidden_act,
-            eos_token_ids=eos_ids,
-            bos_token_id=d.get("bos_token_id"),
-            raw=d,
-        )
-        cfg.check()
-        return cfg
+        try:
+            num_heads = d["num_attention_heads"]
+            eos = d.get("eos_token_id")
+            return dict(
+                model_type=d.get("model_type", ""),
+                vocab_size=d["vocab_size"],
+                hidden_size=d["hidden_size"],
+                num_hidden_layers=d["num_hidden_layers"],
+                num_attention_heads=num_heads,
+                num_key_value_heads=d.get("num_key_value_heads") or num_heads,
+                head_dim=d.get("head_dim") or d["hidden_size"] // num_heads,
+                intermediate_size=d.get("intermediate_size", 0) or 0,
+                moe_intermediate_size=d.get("moe_intermediate_size", 0) or 0,
+                # transformers 5 writes `num_local_experts`; older configs `num_experts`.
+                num_experts=d.get("num_experts") or d.get("num_local_experts") or 0,
+                num_experts_per_tok=d.get("num_experts_per_tok", 0) or 0,
+                norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+                rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+                rope=RopeConfig.from_dict(d, rope_types),
+                max_position_embeddings=d.get("max_position_embeddings", 4096),
+                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                attention_bias=bool(d.get("attention_bias", False)),
+                hidden_act=hidden_act,
+                eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
+                bos_token_id=d.get("bos_token_id"),
+                raw=d,
+            )
+        except KeyError as e:
+            raise ModelConfigError(f"config.json has no {e.args[0]!r}") from e
 
     def check(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -107,13 +146,25 @@ class ModelConfig:
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ModelConfigError("num_experts_per_tok must be in [1, num_experts]")
 
-    @classmethod
-    def from_file(cls, path: str | Path) -> ModelConfig:
-        path = Path(path)
-        try:
-            d = json.loads(path.read_text())
-        except FileNotFoundError as e:
-            raise ModelConfigError(f"no config.json at {path}") from e
-        except json.JSONDecodeError as e:
-            raise ModelConfigError(f"{path} is not valid JSON: {e}") from e
-        return cls.from_dict(d)
+
+@dataclass
+class SparseStepConfig(ModelConfig):
+    """Qwen's rule for dense layers among the MoE layers: those in `mlp_only_layers`, and all
+    but every `decoder_sparse_step`-th."""
+
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return (
+            layer not in self.mlp_only_layers
+            and self.num_experts > 0
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
+
+    @staticmethod
+    def sparse_fields(d: dict[str, Any]) -> dict[str, Any]:
+        return dict(
+            decoder_sparse_step=d.get("decoder_sparse_step", 1) or 1,
+            mlp_only_layers=list(d.get("mlp_only_layers") or []),
+        )

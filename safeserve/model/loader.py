@@ -1,9 +1,10 @@
-"""Build a model and fill its weights: from safetensors, randomly (`dummy`), or the tiny model.
-(Its config and the checkpoint's headers are read in `checkpoint.py`, without torch.)
+"""Build a family's model and fill its weights: from safetensors, randomly (`dummy`), or the
+tiny model. (Its config and the checkpoint's headers are read in `checkpoint.py`, without torch.)
 
-Each rank reads only the experts its placement holds. Both checkpoint layouts of Qwen3-MoE
-experts are read: one tensor per expert and projection (`mlp.experts.{e}.gate_proj.weight`, as
-transformers saves them) and the fused 3-D form (`mlp.experts.gate_up_proj`, `down_proj`).
+What is read from where follows the family's weight specification (`model/spec.py`): each
+parameter's checkpoint tensor and the slice this rank holds, so each rank reads only its rows
+and the experts its placement holds. Stacked experts are read from one tensor per expert and
+projection (as transformers saves them) or from a fused 3-D tensor where the checkpoint has one.
 """
 
 from __future__ import annotations
@@ -16,20 +17,14 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from safeserve.config import TINY_MODEL
-from safeserve.engine.parallel import Comm, Layout
+from safeserve.model import registry
+from safeserve.model.base import CausalLM
 from safeserve.model.checkpoint import TINY_CONFIG as TINY_CONFIG  # re-exported
-from safeserve.model.checkpoint import (
-    LoadError,
-    _Checkpoint,
-    _expert_names,
-    _hf_name,
-    load_model_config,
-)
+from safeserve.model.checkpoint import LoadError, _Checkpoint, load_model_config
 from safeserve.model.checkpoint import check_checkpoint as check_checkpoint  # re-exported
-from safeserve.model.config import ModelConfig
-from safeserve.model.qwen3_moe import Qwen3MoeForCausalLM
-from safeserve.model.sharding import ExpertSlice, Slice, shard_specs
+from safeserve.model.spec import ExpertSlice, ExpertSource, Slice, WeightSpecs
 from safeserve.moe.dispatch.base import Dispatcher
+from safeserve.parallel.comm import Comm, Layout
 
 logger = logging.getLogger(__name__)
 
@@ -45,34 +40,31 @@ def build_model(
     layout: Layout | None = None,
     comm: Comm | None = None,
     seed: int = 0,
-) -> Qwen3MoeForCausalLM:
+) -> CausalLM:
     """This rank's shard of the model, with its weights filled."""
     cfg = load_model_config(model)
     layout = layout or Layout()
     comm = comm or Comm(layout, torch.device(device))
     torch_dtype = DTYPES[dtype]
     with torch.device("meta"), _NoInitOnMeta():
-        net = Qwen3MoeForCausalLM(cfg, layout, comm, dispatcher)
+        net = registry.model_class(cfg)(cfg, layout, comm, dispatcher)
     net = _to_empty(net, device, torch_dtype)
     # Buffers are not parameters: recompute them on the real device.
-    net.rotary.__init__(cfg.head_dim, cfg.rope_theta)  # type: ignore[misc]
-    net.rotary.to(device)
-    for layer in net.layers:
-        if layer.is_moe:
-            layer.mlp.gate.reset_buffers(device)
-    if cfg.tie_word_embeddings:
-        net.lm_head.weight = net.embed_tokens.weight
+    net.reset_buffers(device)
     # Before filling: the per-projection parameters become views of the fused weights.
     net.fuse_projections()
-    specs = shard_specs(cfg, layout)
+    specs = registry.weight_specs(cfg, layout)
     params = dict(net.named_parameters())
     missing = set(params) - set(specs) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
     if missing:
-        raise LoadError(f"no shard rule for {sorted(missing)[:3]}")
+        raise LoadError(f"no weight spec for {sorted(missing)[:3]}")
+    extra = set(specs) - set(params)
+    if extra:
+        raise LoadError(f"weight spec names no parameter: {sorted(extra)[:3]}")
     if model == TINY_MODEL or load_format == "dummy":
         init_random_weights(params, specs, seed)
     else:
-        load_safetensors(params, specs, Path(model), cfg)
+        load_safetensors(params, specs, Path(model))
     net.eval()
     return net
 
@@ -119,10 +111,12 @@ def _to_empty(
 
 
 @torch.no_grad()
-def init_random_weights(params: dict[str, torch.nn.Parameter], specs: dict, seed: int) -> None:
+def init_random_weights(
+    params: dict[str, torch.nn.Parameter], specs: WeightSpecs, seed: int
+) -> None:
     """Deterministic weights: the same full model whatever the layout; each rank keeps its slice."""
     for index, name in enumerate(sorted(specs)):
-        full_shape, piece = specs[name]
+        full_shape, piece = specs[name].shape, specs[name].piece
         p = params[name]
         if name.endswith("norm.weight"):
             p.fill_(1.0)
@@ -139,52 +133,46 @@ def init_random_weights(params: dict[str, torch.nn.Parameter], specs: dict, seed
 
 @torch.no_grad()
 def load_safetensors(
-    params: dict[str, torch.nn.Parameter], specs: dict, model_dir: Path, cfg: ModelConfig
+    params: dict[str, torch.nn.Parameter], specs: WeightSpecs, model_dir: Path
 ) -> None:
     ckpt = _Checkpoint(model_dir)
     for name in sorted(specs):
-        full_shape, piece = specs[name]
-        dst = params[name]
-        if isinstance(piece, ExpertSlice):
-            _load_experts(ckpt, dst, name, piece, full_shape)
+        spec, dst = specs[name], params[name]
+        if isinstance(spec.source, ExpertSource):
+            assert isinstance(spec.piece, ExpertSlice)
+            _load_experts(ckpt, dst, spec.source, spec.piece, spec.shape)
             continue
-        hf = _hf_name(name)
-        shape = ckpt.shape(hf)
-        if shape != full_shape:
-            raise LoadError(f"{hf}: checkpoint shape {shape} != expected {full_shape}")
-        src = ckpt.get_slice(hf, piece)
-        dst.copy_(src)
+        shape = ckpt.shape(spec.source)
+        if shape != spec.shape:
+            raise LoadError(f"{spec.source}: checkpoint shape {shape} != expected {spec.shape}")
+        assert isinstance(spec.piece, Slice)
+        dst.copy_(ckpt.get_slice(spec.source, spec.piece))
     logger.info("loaded %d tensors from %s", len(specs), model_dir)
 
 
 def _load_experts(
     ckpt: _Checkpoint,
     dst: torch.Tensor,
-    name: str,
+    source: ExpertSource,
     piece: ExpertSlice,
     full_shape: tuple[int, ...],
 ) -> None:
-    prefix, fused = _expert_names(name, piece)
-    if fused in ckpt:
-        if ckpt.shape(fused) != full_shape:
+    if source.fused is not None and source.fused in ckpt:
+        if ckpt.shape(source.fused) != full_shape:
             raise LoadError(
-                f"{fused}: checkpoint shape {ckpt.shape(fused)} != expected {full_shape}"
+                f"{source.fused}: checkpoint shape {ckpt.shape(source.fused)} != "
+                f"expected {full_shape}"
             )
-        rows = ckpt.get_slice(fused, Slice(0, piece.e0, piece.e1))
+        rows = ckpt.get_slice(source.fused, Slice(0, piece.e0, piece.e1))
         local = ExpertSlice(0, piece.e1 - piece.e0, piece.i0, piece.i1, piece.width, piece.is_w13)
         dst.copy_(local.apply(rows))
         return
     width = piece.i1 - piece.i0
     for local_e, e in enumerate(range(piece.e0, piece.e1)):
-        base = f"{prefix}{e}."
+        names = source.expert_names(e)
         if piece.is_w13:
-            dst[local_e, :width].copy_(
-                ckpt.get_slice(base + "gate_proj.weight", Slice(0, piece.i0, piece.i1))
-            )
-            dst[local_e, width:].copy_(
-                ckpt.get_slice(base + "up_proj.weight", Slice(0, piece.i0, piece.i1))
-            )
+            gate, up = names
+            dst[local_e, :width].copy_(ckpt.get_slice(gate, Slice(0, piece.i0, piece.i1)))
+            dst[local_e, width:].copy_(ckpt.get_slice(up, Slice(0, piece.i0, piece.i1)))
         else:
-            dst[local_e].copy_(
-                ckpt.get_slice(base + "down_proj.weight", Slice(1, piece.i0, piece.i1))
-            )
+            dst[local_e].copy_(ckpt.get_slice(names[0], Slice(1, piece.i0, piece.i1)))

@@ -1,23 +1,21 @@
-"""Which slice of each full weight a rank holds.
+"""Which slice of each full weight a rank holds, and the weight-spec pieces families share.
 
 Attention is split by heads across the attention-TP ranks (column-parallel q/k/v, row-parallel o);
 KV heads are split when there are enough, else each rank holds the one its query heads use. Dense
-MLPs are split by FFN width across attention-TP ranks. Experts are split by expert blocks across
-EP ranks and by FFN width across the ranks of one block. Every rank derives its slices from the
-same full shapes, so random (dummy) weights and checkpoint weights shard the same way.
+MLPs (and shared experts) are split by FFN width across attention-TP ranks. Routed experts are
+split by expert blocks across EP ranks and by FFN width across the ranks of one block. Every rank
+derives its slices from the same full shapes, so random (dummy) weights and checkpoint weights
+shard the same way.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from safeserve.engine.layout import Layout
 from safeserve.model.config import ModelConfig
+from safeserve.model.spec import ExpertSlice, ExpertSource, Slice, WeightSpec, WeightSpecs
 from safeserve.moe.placement import ExpertPlacement
-
-if TYPE_CHECKING:  # the frontend checks layouts without importing torch
-    import torch
+from safeserve.parallel.layout import Layout
 
 
 class LayoutError(ValueError):
@@ -48,12 +46,14 @@ def head_split(cfg: ModelConfig, layout: Layout) -> HeadSplit:
     return HeadSplit(hq // tp, kv_local, r * (hq // tp), kv_start)
 
 
-def dense_split(cfg: ModelConfig, layout: Layout) -> tuple[int, int]:
-    """(start, stop) of the dense-MLP width this rank holds."""
+def dense_split(
+    cfg: ModelConfig, layout: Layout, width: int | None = None, what: str = "intermediate_size"
+) -> tuple[int, int]:
+    """(start, stop) of the dense-MLP width (`width`, default the config's) this rank holds."""
     tp, r = layout.attn_tp_size, layout.attn_tp_rank
-    width = cfg.intermediate_size
+    width = cfg.intermediate_size if width is None else width
     if width % tp:
-        raise LayoutError(f"--tp-size {tp} must divide intermediate_size {width}")
+        raise LayoutError(f"--tp-size {tp} must divide {what} {width}")
     step = width // tp
     return r * step, (r + 1) * step
 
@@ -74,105 +74,103 @@ def expert_split(cfg: ModelConfig, layout: Layout) -> tuple[ExpertPlacement, int
     return placement, layout.moe_tp_rank * step, (layout.moe_tp_rank + 1) * step
 
 
-def check_layout(cfg: ModelConfig, layout: Layout) -> None:
-    """Raises LayoutError (one line) when the model cannot be laid out so."""
-    head_split(cfg, layout)
-    if any(not cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)):
-        dense_split(cfg, layout)
-    if cfg.num_experts:
-        expert_split(cfg, layout)
+# -- spec pieces ---------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Slice:
-    """Rows `[start, stop)` of dimension `dim` (None: the whole tensor)."""
-
-    dim: int | None = None
-    start: int = 0
-    stop: int = 0
-
-    def apply(self, full: torch.Tensor) -> torch.Tensor:
-        if self.dim is None:
-            return full
-        return full.narrow(self.dim, self.start, self.stop - self.start)
+def whole(shape: tuple[int, ...], source: str) -> WeightSpec:
+    """A replicated parameter."""
+    return WeightSpec(shape, Slice(), source)
 
 
-@dataclass(frozen=True)
-class ExpertSlice:
-    """Experts `[e0, e1)`; FFN width `[i0, i1)` of `width` (gate rows then up rows for w13)."""
-
-    e0: int
-    e1: int
-    i0: int
-    i1: int
-    width: int
-    is_w13: bool
-
-    def apply(self, full: torch.Tensor) -> torch.Tensor:
-        import torch
-
-        experts = full[self.e0 : self.e1]
-        if self.is_w13:
-            return torch.cat(
-                [
-                    experts[:, self.i0 : self.i1],
-                    experts[:, self.width + self.i0 : self.width + self.i1],
-                ],
-                dim=1,
-            )
-        return experts[:, :, self.i0 : self.i1]
-
-
-def shard_specs(
-    cfg: ModelConfig, layout: Layout
-) -> dict[str, tuple[tuple[int, ...], Slice | ExpertSlice]]:
-    """For each parameter name of our model: its full shape and the slice this rank holds."""
-    h, d = cfg.hidden_size, cfg.head_dim
-    heads = head_split(cfg, layout)
-    specs: dict[str, tuple[tuple[int, ...], Slice | ExpertSlice]] = {
-        "embed_tokens.weight": ((cfg.vocab_size, h), Slice()),
-        "norm.weight": ((h,), Slice()),
+def embedding_specs(cfg: ModelConfig, hf: str = "model.") -> WeightSpecs:
+    """Embedding table, final norm and (unless tied) the LM head."""
+    h = cfg.hidden_size
+    specs = {
+        "embed_tokens.weight": whole((cfg.vocab_size, h), hf + "embed_tokens.weight"),
+        "norm.weight": whole((h,), hf + "norm.weight"),
     }
     if not cfg.tie_word_embeddings:
-        specs["lm_head.weight"] = ((cfg.vocab_size, h), Slice())
+        specs["lm_head.weight"] = whole((cfg.vocab_size, h), "lm_head.weight")
+    return specs
+
+
+def gqa_attention_specs(
+    cfg: ModelConfig, layout: Layout, ours: str, hf: str, qk_norm: bool, o_bias: bool = True
+) -> WeightSpecs:
+    """q/k/v/o projections split by heads (biases with `attention_bias`; o's bias is added once,
+    after the all-reduce, and only with `o_bias`: Qwen2-MoE has q/k/v biases only), and per-head
+    q/k RMSNorm weights with `qk_norm`. `ours` and `hf` are the prefixes of the attention module
+    in our model and in the checkpoint."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    heads = head_split(cfg, layout)
     q_rows = Slice(0, heads.q_start * d, (heads.q_start + heads.num_heads) * d)
     kv_rows = Slice(0, heads.kv_start * d, (heads.kv_start + heads.num_kv_heads) * d)
-    for i in range(cfg.num_hidden_layers):
-        p = f"layers.{i}."
-        a = p + "self_attn."
-        specs[a + "q_proj.weight"] = ((cfg.num_attention_heads * d, h), q_rows)
-        specs[a + "k_proj.weight"] = ((cfg.num_key_value_heads * d, h), kv_rows)
-        specs[a + "v_proj.weight"] = ((cfg.num_key_value_heads * d, h), kv_rows)
-        specs[a + "o_proj.weight"] = (
-            (h, cfg.num_attention_heads * d),
-            Slice(1, q_rows.start, q_rows.stop),
-        )
-        if cfg.attention_bias:
-            specs[a + "q_proj.bias"] = ((cfg.num_attention_heads * d,), q_rows)
-            specs[a + "k_proj.bias"] = ((cfg.num_key_value_heads * d,), kv_rows)
-            specs[a + "v_proj.bias"] = ((cfg.num_key_value_heads * d,), kv_rows)
-            specs[a + "o_bias"] = ((h,), Slice())
-        specs[a + "q_norm.weight"] = ((d,), Slice())
-        specs[a + "k_norm.weight"] = ((d,), Slice())
-        specs[p + "input_layernorm.weight"] = ((h,), Slice())
-        specs[p + "post_attention_layernorm.weight"] = ((h,), Slice())
-        if cfg.is_moe_layer(i):
-            placement, i0, i1 = expert_split(cfg, layout)
-            e0, e1 = placement.local_start, placement.local_start + placement.experts_per_rank
-            w = cfg.moe_intermediate_size
-            specs[p + "mlp.gate.weight"] = ((cfg.num_experts, h), Slice())
-            specs[p + "mlp.experts.w13"] = (
-                (cfg.num_experts, 2 * w, h),
-                ExpertSlice(e0, e1, i0, i1, w, True),
-            )
-            specs[p + "mlp.experts.w2"] = (
-                (cfg.num_experts, h, w),
-                ExpertSlice(e0, e1, i0, i1, w, False),
-            )
-        else:
-            s0, s1 = dense_split(cfg, layout)
-            w = cfg.intermediate_size
-            specs[p + "mlp.gate_proj.weight"] = ((w, h), Slice(0, s0, s1))
-            specs[p + "mlp.up_proj.weight"] = ((w, h), Slice(0, s0, s1))
-            specs[p + "mlp.down_proj.weight"] = ((h, w), Slice(1, s0, s1))
+    hq, hkv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    specs = {
+        ours + "q_proj.weight": WeightSpec((hq, h), q_rows, hf + "q_proj.weight"),
+        ours + "k_proj.weight": WeightSpec((hkv, h), kv_rows, hf + "k_proj.weight"),
+        ours + "v_proj.weight": WeightSpec((hkv, h), kv_rows, hf + "v_proj.weight"),
+        ours + "o_proj.weight": WeightSpec(
+            (h, hq), Slice(1, q_rows.start, q_rows.stop), hf + "o_proj.weight"
+        ),
+    }
+    if cfg.attention_bias:
+        specs[ours + "q_proj.bias"] = WeightSpec((hq,), q_rows, hf + "q_proj.bias")
+        specs[ours + "k_proj.bias"] = WeightSpec((hkv,), kv_rows, hf + "k_proj.bias")
+        specs[ours + "v_proj.bias"] = WeightSpec((hkv,), kv_rows, hf + "v_proj.bias")
+        if o_bias:
+            specs[ours + "o_bias"] = whole((h,), hf + "o_proj.bias")
+    if qk_norm:
+        specs[ours + "q_norm.weight"] = whole((d,), hf + "q_norm.weight")
+        specs[ours + "k_norm.weight"] = whole((d,), hf + "k_norm.weight")
     return specs
+
+
+def dense_mlp_specs(
+    cfg: ModelConfig,
+    layout: Layout,
+    ours: str,
+    hf: str,
+    width: int | None = None,
+    names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+    what: str = "intermediate_size",
+) -> WeightSpecs:
+    """A SiLU-gated MLP of FFN `width` split by width across attention-TP ranks; `names` are
+    the checkpoint's gate, up and down projections under `hf`."""
+    h = cfg.hidden_size
+    w = cfg.intermediate_size if width is None else width
+    s0, s1 = dense_split(cfg, layout, w, what)
+    gate, up, down = names
+    return {
+        ours + "gate_proj.weight": WeightSpec((w, h), Slice(0, s0, s1), hf + gate + ".weight"),
+        ours + "up_proj.weight": WeightSpec((w, h), Slice(0, s0, s1), hf + up + ".weight"),
+        ours + "down_proj.weight": WeightSpec((h, w), Slice(1, s0, s1), hf + down + ".weight"),
+    }
+
+
+def routed_expert_specs(
+    cfg: ModelConfig,
+    layout: Layout,
+    ours: str,
+    hf: str,
+    names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+) -> WeightSpecs:
+    """This rank's stacked routed experts `ours + "w13"` [E, 2I, H] and `ours + "w2"` [E, H, I],
+    read per expert (`hf + "{e}." + name + ".weight"`) or from the fused 3-D tensors
+    (`hf + "gate_up_proj"`, `hf + "down_proj"`) where the checkpoint has them."""
+    placement, i0, i1 = expert_split(cfg, layout)
+    e0, e1 = placement.local_start, placement.local_start + placement.experts_per_rank
+    w, h, n = cfg.moe_intermediate_size, cfg.hidden_size, cfg.num_experts
+    gate, up, down = (hf + "{e}." + name + ".weight" for name in names)
+    return {
+        ours + "w13": WeightSpec(
+            (n, 2 * w, h),
+            ExpertSlice(e0, e1, i0, i1, w, True),
+            ExpertSource(hf + "gate_up_proj", (gate, up)),
+        ),
+        ours + "w2": WeightSpec(
+            (n, h, w),
+            ExpertSlice(e0, e1, i0, i1, w, False),
+            ExpertSource(hf + "down_proj", (down,)),
+        ),
+    }

@@ -1,4 +1,11 @@
-"""An MoE block: router -> dispatch -> experts -> combine."""
+"""An MoE block: router -> dispatch -> experts -> combine, plus shared experts.
+
+Shared experts (DeepSeek-V3, Qwen2-MoE) run on the token's own rank, never dispatched: every
+rank holds them (split by width across the attention-TP ranks, with their own all-reduce, like
+a dense MLP) and their output is added to the combined routed output; they depend on the
+block's input only, so they can later overlap the combine. A shared-expert gate (Qwen2-MoE)
+scales their output by sigmoid(gate(x)).
+"""
 
 from __future__ import annotations
 
@@ -10,7 +17,7 @@ from safeserve.moe.dispatch.base import Dispatcher, DispatchOutput
 from safeserve.moe.dispatch.local import LocalDispatcher
 from safeserve.moe.placement import ExpertPlacement
 from safeserve.moe.runner import ExpertRunner
-from safeserve.moe.topk import Router
+from safeserve.moe.topk import Router, RouterConfig
 
 
 class MoELayer(torch.nn.Module):
@@ -19,17 +26,24 @@ class MoELayer(torch.nn.Module):
         hidden_size: int,
         intermediate_size: int,
         num_experts: int,
-        top_k: int,
-        renormalize: bool,
+        router: RouterConfig,
         placement: ExpertPlacement,
         dispatcher: Dispatcher,
+        shared_experts: torch.nn.Module | None = None,
+        shared_expert_gate: bool = False,
     ) -> None:
+        """`shared_experts`: a module of the block's input returning the shared experts' whole
+        output (a DenseMLP); `shared_expert_gate`: a sigmoid gate (h -> 1) scales it."""
         super().__init__()
         self.placement = placement
-        self.gate = Router(hidden_size, num_experts, top_k, renormalize)
+        self.gate = Router(hidden_size, num_experts, router)
         self.experts = ExpertRunner(placement.experts_per_rank, hidden_size, intermediate_size)
         self.dispatcher = dispatcher
         self.on_phase: Callable[[str], None] | None = None  # heartbeat hook of the rank
+        self.shared_experts = shared_experts
+        self.shared_expert_gate = (
+            torch.nn.Linear(hidden_size, 1, bias=False) if shared_expert_gate else None
+        )
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         topk = self.gate(hidden_states)
@@ -46,8 +60,18 @@ class MoELayer(torch.nn.Module):
             out = self.experts(d).hidden_states
         else:
             out = self.dispatcher.run(hidden_states, topk, self.experts, self.on_phase)
+        if self.shared_experts is not None:
+            out = out + self._shared(hidden_states)
         if self.on_phase is not None:
             self.on_phase("attention")
+        return out
+
+    def _shared(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        shared = self.shared_experts
+        assert shared is not None
+        out = shared(hidden_states)
+        if self.shared_expert_gate is not None:
+            out = torch.sigmoid(self.shared_expert_gate(hidden_states)) * out
         return out
 
     def _direct(self, hidden_states: torch.Tensor) -> bool:

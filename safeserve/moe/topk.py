@@ -1,4 +1,12 @@
-"""Stage 1: the router. Hidden states in, top-k physical expert ids and weights out."""
+"""Stage 1: the router. Hidden states in, top-k physical expert ids and weights out.
+
+A `RouterConfig` says how a family routes: softmax or sigmoid scores, renormalized or not,
+selection restricted to the best `topk_group` of `n_group` expert groups (a group's score: the
+sum of its two best experts), a per-expert correction bias that steers the choice but not the
+weights, and a scaling factor of the routed output. Softmax routing without groups, bias or
+scaling runs as one Triton launch on CUDA (`safeserve.kernels.router_topk`); every other
+configuration runs the torch path below on any device.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +14,33 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from safeserve.kernels.topk_softmax import skew_ids, softmax_topk
+
+__all__ = ["RouterConfig", "Router", "TopKOutput", "grouped_topk", "skew_ids", "softmax_topk"]
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    top_k: int
+    renormalize: bool
+    scoring: str = "softmax"  # or "sigmoid"
+    n_group: int = 1
+    topk_group: int = 1
+    correction_bias: bool = False  # `e_score_correction_bias`: steers the choice only
+    routed_scaling_factor: float = 1.0
+    logits_fp32: bool = False  # the router GEMM in float32 (DeepSeek-V3's gate)
+
+    @property
+    def plain_softmax(self) -> bool:
+        """What the fused router kernel computes."""
+        return (
+            self.scoring == "softmax"
+            and self.n_group <= 1
+            and not self.correction_bias
+            and self.routed_scaling_factor == 1.0
+            and not self.logits_fp32
+        )
 
 
 @dataclass
@@ -17,33 +52,53 @@ class TopKOutput:
     router_logits: torch.Tensor  # [T, E] (kept for load statistics and tests)
 
 
-def softmax_topk(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool, out_dtype: torch.dtype
+def grouped_topk(
+    router_logits: torch.Tensor,
+    cfg: RouterConfig,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax over experts in float32, take the top k, optionally renormalize them to sum to 1."""
-    probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+    """Scores (softmax or sigmoid, float32), the choice among the best `topk_group` groups by
+    score + bias, weights from the unbiased scores (renormalized, scaled). As transformers'
+    DeepSeek-V3 router does it."""
+    logits = router_logits.float()
+    if cfg.scoring == "sigmoid":
+        scores = logits.sigmoid()
+    else:
+        scores = F.softmax(logits, dim=-1, dtype=torch.float32)
+    choice = scores if bias is None else scores + bias.float()[None, :]
+    if cfg.n_group > 1:
+        t, e = choice.shape
+        grouped = choice.view(t, cfg.n_group, e // cfg.n_group)
+        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+        keep = torch.topk(group_scores, cfg.topk_group, dim=-1, sorted=False)[1]
+        mask = torch.zeros_like(group_scores).scatter_(1, keep, 1.0)
+        mask = mask.unsqueeze(-1).expand(t, cfg.n_group, e // cfg.n_group).reshape(t, e)
+        # -inf, not 0: sigmoid scores plus a negative bias are below 0, and a dropped
+        # group's expert must never win over a kept one (transformers masks with -inf).
+        choice = choice.masked_fill(mask == 0, float("-inf"))
+    ids = torch.topk(choice, cfg.top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if cfg.renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    weights = weights * cfg.routed_scaling_factor
     return weights.to(out_dtype), ids
 
 
-def skew_ids(ids: torch.Tensor, skew: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Route skew (fault injection), as the router kernels apply it: where skew[0] >= 0, every
-    row's ids become skew, skew + 1, ... (mod num_experts); else `ids` unchanged. No host sync."""
-    top_k = ids.shape[-1]
-    skewed = (skew + torch.arange(top_k, device=ids.device)) % num_experts
-    return torch.where(skew >= 0, skewed.to(ids.dtype).expand_as(ids), ids)
-
-
 class Router(torch.nn.Module):
-    """Qwen3-MoE gate: a bias-free linear to expert logits, softmax, top-k."""
+    """The gate: a bias-free linear to expert logits, then the family's top-k selection."""
 
-    def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool) -> None:
+    def __init__(self, hidden_size: int, num_experts: int, cfg: RouterConfig) -> None:
         super().__init__()
         self.weight = torch.nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
-        self.top_k = top_k
-        self.renormalize = renormalize
+        self.cfg = cfg
+        self.top_k = cfg.top_k
+        self.renormalize = cfg.renormalize
+        self.e_score_correction_bias = (
+            torch.nn.Parameter(torch.zeros(num_experts), requires_grad=False)
+            if cfg.correction_bias
+            else None
+        )
         # Logical -> physical expert id; identity until a load balancer moves experts.
         self.register_buffer("logical_to_physical", torch.arange(num_experts), persistent=False)
         # Fault injection (route_skew): the first expert every token is sent to, -1 = off. A
@@ -57,6 +112,12 @@ class Router(torch.nn.Module):
         self.logical_to_physical = torch.arange(self.weight.shape[0], device=device)
         self.skew = torch.full((1,), -1, dtype=torch.int64, device=device)
         self._skew_expert = None
+        if self.cfg.logits_fp32:  # kept in float32 whatever the model's dtype, as transformers
+            # keeps DeepSeek-V3's `gate.weight` and `e_score_correction_bias` (values kept)
+            for name in ("weight", "e_score_correction_bias"):
+                p = getattr(self, name)
+                if p is not None and p.dtype != torch.float32:
+                    setattr(self, name, torch.nn.Parameter(p.detach().float(), requires_grad=False))
 
     @property
     def skew_expert(self) -> int | None:
@@ -69,7 +130,7 @@ class Router(torch.nn.Module):
         self.skew.fill_(-1 if expert is None else expert % self.weight.shape[0])
 
     def forward(self, hidden_states: torch.Tensor) -> TopKOutput:
-        if hidden_states.is_cuda:
+        if hidden_states.is_cuda and self.cfg.plain_softmax:
             # Triton: the router GEMM (decode-sized batches) and the same float32 top-k math,
             # the weights' cast, the skew and the id mapping, in one launch.
             from safeserve.kernels.router_topk import router_topk
@@ -84,12 +145,20 @@ class Router(torch.nn.Module):
                 skew=self.skew,
             )
             return TopKOutput(ids, weights, logits)
-        logits = F.linear(hidden_states, self.weight)
-        weights, logical_ids = softmax_topk(
-            logits, self.top_k, self.renormalize, hidden_states.dtype
-        )
-        if self._skew_expert is not None:
-            # Fault injection: every token picks the experts starting at one (the worst skew),
+        if self.cfg.logits_fp32:
+            logits = F.linear(hidden_states.float(), self.weight.float())
+        else:
+            logits = F.linear(hidden_states, self.weight)
+        if self.cfg.plain_softmax:
+            weights, logical_ids = softmax_topk(
+                logits, self.top_k, self.renormalize, hidden_states.dtype
+            )
+        else:
+            weights, logical_ids = grouped_topk(
+                logits, self.cfg, self.e_score_correction_bias, hidden_states.dtype
+            )
+        if self._skew_expert is not None or hidden_states.is_cuda:
+            # Fault injection (on CUDA read from the device tensor: graphs follow it): every token picks the experts starting at one (the worst skew),
             # as the kernels do it.
             logical_ids = skew_ids(logical_ids, self.skew, logits.shape[-1])
         return TopKOutput(self.logical_to_physical[logical_ids], weights, logits)

@@ -10,18 +10,17 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from dataclasses import asdict
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from safeserve.messages import FAULT_KINDS, InjectFault
+from safeserve.messages import FAULT_KINDS, DispatchStats, GuardSizing, InjectFault
 from safeserve.moe.eplb.balancedness import group_balancedness
 from safeserve.server.errors import APIError, bad_request, install_route_errors, require_bearer
 from safeserve.server.protocol import decode_json
-
-if TYPE_CHECKING:
-    from safeserve.server.app import ServerState
+from safeserve.server.state import ServerState
 
 MAX_FAULT_DELAY_S = 60.0
 
@@ -49,22 +48,23 @@ def group_view(state: ServerState) -> list[dict[str, Any]]:
         g = sup.client
         ranks = []
         for r, st in sorted(g.ranks.items()) if g is not None else []:
+            s = st.stats
             ranks.append(
                 {
                     "rank": r,
                     "pid": st.pid,
-                    "device": st.stats.get("device", state.args.device),
+                    "device": s.device if s.device is not None else state.args.device,
                     "step": st.step,
                     "phase": st.phase,
                     "phase_age_s": round(max(0.0, now - st.phase_since), 3),
                     "heartbeat_age_s": round(max(0.0, now - st.received_at), 3),
                     "utilization": round(st.utilization, 3),
-                    "memory_bytes": st.stats.get("memory_bytes", _rss(st.pid)),
-                    "memory_peak_bytes": st.stats.get("memory_peak_bytes"),
-                    "memory_startup_peak_bytes": st.stats.get("memory_startup_peak_bytes"),
-                    "cuda_graph_replays": st.stats.get("cuda_graph_replays"),
-                    "piecewise_graph_replays": st.stats.get("piecewise_graph_replays"),
-                    "dispatch": {k: v for k, v in st.stats.items() if k.startswith("dispatch_")},
+                    "memory_bytes": s.memory_bytes if s.memory_bytes is not None else _rss(st.pid),
+                    "memory_peak_bytes": s.memory_peak_bytes,
+                    "memory_startup_peak_bytes": s.memory_startup_peak_bytes,
+                    "cuda_graph_replays": s.cuda_graph_replays,
+                    "piecewise_graph_replays": s.piecewise_graph_replays,
+                    "dispatch": _dispatch_view(s.dispatch),
                 }
             )
         verdicts = sup.verdicts()[-10:]
@@ -100,13 +100,35 @@ def group_view(state: ServerState) -> list[dict[str, Any]]:
                     }
                     for v in verdicts
                 ],
-                # requests that were on a failed group and now run on this one (one at most)
+                # requests in flight on a failed group that continue on this one (one at most)
                 "suspects": [x for x in qod["suspects"] if x["group"] == sup.group],
-                # live quarantines of requests that were in flight when this group failed
+                # live quarantines of requests in flight on this group when it failed
                 "quarantined": [q for q in qod["quarantined"] if sup.group in q["groups"]],
                 "events": [{"at": at, "state": st} for at, st in sup.events],
             }
         )
+    return out
+
+
+def _dispatch_view(d: DispatchStats | None) -> dict[str, int]:
+    """A rank's dispatch admission numbers as /admin/groups shows them (`dispatch_*` keys)."""
+    return {} if d is None else {f"dispatch_{k}": v for k, v in asdict(d).items()}
+
+
+def _guards_view(guards: GuardSizing) -> dict[str, Any]:
+    """A group's guard sizing as /admin/config shows it."""
+    out: dict[str, Any] = {"dispatch_budget_tokens": guards.dispatch_budget_tokens}
+    if guards.dispatch is not None:
+        d = guards.dispatch
+        out.update(
+            dispatch_buffer_bytes=d.buffer_bytes,
+            bytes_per_recv_row=d.bytes_per_recv_row,
+            attention_groups=d.attention_groups,
+            top_k=d.top_k,
+            local_experts=d.local_experts,
+        )
+    if guards.prefill is not None:
+        out["prefill"] = guards.prefill.to_dict()
     return out
 
 
@@ -204,7 +226,8 @@ def build_admin_app(state: ServerState) -> FastAPI:
     async def config(request: Request) -> Response:
         _check_admin(state, request)
         guards = {
-            str(g.group): (g.ready_info.guards if g.ready_info else None) for g in state.groups
+            str(g.group): (_guards_view(g.ready_info.guards) if g.ready_info else None)
+            for g in state.groups
         }
         return JSONResponse({"args": state.args.to_dict(), "guards": guards})
 

@@ -32,6 +32,7 @@ from safeserve.messages import (
     GroupReady,
     Heartbeat,
     InjectFault,
+    RankStats,
     RequestOutput,
     SamplingParams,
     Shutdown,
@@ -62,7 +63,7 @@ class RankStatus:
     phase: str = "starting"
     phase_since: float = field(default_factory=time.time)
     received_at: float = field(default_factory=time.time)  # frontend clock
-    stats: dict = field(default_factory=dict)
+    stats: RankStats = field(default_factory=RankStats)
     utilization: float = 0.0
 
 

@@ -6,7 +6,7 @@ queued."""
 from __future__ import annotations
 
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from safeserve.messages import SamplingParams
 from safeserve.server import protocol as P
@@ -14,9 +14,7 @@ from safeserve.server.errors import bad_request, unavailable
 from safeserve.server.generate import Generation
 from safeserve.server.responses import AnswerShape
 from safeserve.server.router import NoGroupReady
-
-if TYPE_CHECKING:
-    from safeserve.server.app import ServerState
+from safeserve.server.state import ServerState
 
 
 def max_model_len(state: ServerState) -> int:

@@ -1,6 +1,8 @@
-"""Every Prometheus metric of safeserve (prefix `safeserve:`), defined once, here."""
+"""Every Prometheus metric of safeserve (prefix `safeserve:`), declared once, in `METRICS`."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from prometheus_client import (
     CollectorRegistry,
@@ -10,6 +12,7 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
+from prometheus_client.metrics import MetricWrapperBase
 
 # `*_created` series double the output and nobody reads them.
 disable_created_metrics()
@@ -19,202 +22,235 @@ PREFIX = "safeserve:"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.0, 2.5)
 
+GROUP = ("group",)
+RANK = ("group", "rank")
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    attr: str  # the attribute of `Metrics` that holds it
+    kind: type[MetricWrapperBase]  # Counter, Gauge or Histogram
+    name: str  # after PREFIX; prometheus_client renders a Counter's family as `<name>_total`
+    help: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] | None = None  # Histogram only
+
+    def build(self, registry: CollectorRegistry) -> MetricWrapperBase:
+        extra = {} if self.buckets is None else {"buckets": self.buckets}
+        return self.kind(PREFIX + self.name, self.help, self.labels, registry=registry, **extra)
+
+
+METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec(
+        "requests",
+        Counter,
+        "requests",
+        "Finished HTTP requests by endpoint and status code.",
+        ("endpoint", "status"),
+    ),
+    MetricSpec("prompt_tokens", Counter, "prompt_tokens", "Prompt tokens admitted."),
+    MetricSpec(
+        "generation_tokens",
+        Counter,
+        "generation_tokens",
+        "Tokens generated, by the group that generated them.",
+        GROUP,
+    ),
+    MetricSpec(
+        "ttft",
+        Histogram,
+        "time_to_first_token_seconds",
+        "Time from request arrival to first token.",
+        buckets=_LATENCY_BUCKETS,
+    ),
+    MetricSpec(
+        "tpot",
+        Histogram,
+        "time_per_output_token_seconds",
+        "Mean time per output token after the first.",
+        buckets=_TPOT_BUCKETS,
+    ),
+    MetricSpec(
+        "e2e",
+        Histogram,
+        "e2e_request_latency_seconds",
+        "Time from arrival to the last token.",
+        buckets=_LATENCY_BUCKETS,
+    ),
+    MetricSpec(
+        "running", Gauge, "num_requests_running", "Requests holding KV blocks in a group.", GROUP
+    ),
+    MetricSpec("waiting", Gauge, "num_requests_waiting", "Requests queued in a group.", GROUP),
+    MetricSpec("kv_used", Gauge, "kv_blocks_used", "KV-cache blocks in use, per group.", GROUP),
+    MetricSpec("kv_total", Gauge, "kv_blocks_total", "KV-cache blocks, per group.", GROUP),
+    MetricSpec(
+        "preemptions",
+        Gauge,
+        "num_preemptions",
+        "Requests preempted (recomputed later) since start, per group.",
+        GROUP,
+    ),
+    MetricSpec("group_ready", Gauge, "group_ready", "1 while the group serves requests.", GROUP),
+    MetricSpec(
+        "heartbeat_age",
+        Gauge,
+        "rank_heartbeat_age_seconds",
+        "Seconds since a rank's last heartbeat.",
+        RANK,
+    ),
+    MetricSpec(
+        "rank_utilization",
+        Gauge,
+        "rank_utilization",
+        "GPU utilization of a rank's device, or its process's share of one CPU core (0..1).",
+        RANK,
+    ),
+    MetricSpec(
+        "rank_memory",
+        Gauge,
+        "rank_memory_bytes",
+        "Device memory allocated by a rank (GPU) or its resident memory (CPU).",
+        RANK,
+    ),
+    MetricSpec(
+        "watchdog_verdicts",
+        Counter,
+        "watchdog_verdicts",
+        "Watchdog verdicts: dead, crashed and stalled fence the group; slow is reported only.",
+        ("group", "verdict"),
+    ),
+    MetricSpec(
+        "dispatch_budget",
+        Gauge,
+        "dispatch_budget_tokens",
+        "Rows a rank may receive in one dispatch round (admission budget).",
+        RANK,
+    ),
+    MetricSpec(
+        "dispatch_recv_peak",
+        Gauge,
+        "dispatch_recv_tokens_peak",
+        "Most rows a rank received in one dispatch round since start.",
+        RANK,
+    ),
+    MetricSpec(
+        "dispatch_rounds",
+        Gauge,
+        "dispatch_rounds_total",
+        "Dispatch rounds run by a rank since start (one per MoE layer and step, more when "
+        "admission cuts a dispatch).",
+        RANK,
+    ),
+    MetricSpec(
+        "dispatch_cut",
+        Gauge,
+        "dispatch_cut_total",
+        "Dispatches admission cut into more than one round, per rank, since start.",
+        RANK,
+    ),
+    MetricSpec(
+        "dispatch_buffer_bytes",
+        Gauge,
+        "dispatch_buffer_bytes",
+        "Preallocated dispatch buffer bytes of a rank.",
+        RANK,
+    ),
+    MetricSpec(
+        "dispatch_buffer_peak_bytes",
+        Gauge,
+        "dispatch_buffer_peak_bytes",
+        "Most dispatch buffer bytes a rank ever used.",
+        RANK,
+    ),
+    MetricSpec(
+        "eplb_balancedness",
+        Gauge,
+        "eplb_balancedness",
+        "How evenly a group's expert-parallel ranks share the routed (token, expert) pairs: "
+        "mean over MoE layers of mean/max per-rank load, averaged over the last `window` "
+        "passes; 1 is even, 1/ep_size is all on one rank. Only groups with ep_size > 1.",
+        ("group", "window"),
+    ),
+    MetricSpec(
+        "group_state", Gauge, "group_state", "1 for a group's current state.", ("group", "state")
+    ),
+    MetricSpec(
+        "group_failures",
+        Counter,
+        "group_failures",
+        "Group failures (fenced: all its processes killed).",
+        GROUP,
+    ),
+    MetricSpec("group_restarts", Counter, "group_restarts", "Group restarts.", GROUP),
+    MetricSpec(
+        "migrations",
+        Counter,
+        "request_migrations",
+        "Requests continued on another group after theirs failed (prompt + tokens already sent).",
+    ),
+    MetricSpec("retries", Counter, "request_retries", "Attempts beyond a request's first."),
+    MetricSpec(
+        "lost",
+        Counter,
+        "requests_lost",
+        "Requests that ended without a complete answer or a clean error (must stay 0).",
+    ),
+    MetricSpec(
+        "failed_after_retries",
+        Counter,
+        "requests_failed_after_retries",
+        "Requests answered 503 after their attempts or the retry budget ran out.",
+    ),
+    MetricSpec(
+        "suspects",
+        Gauge,
+        "requests_suspect",
+        "Requests that were in flight on a group when it failed, not yet ended (running on "
+        "another group, or waiting for one that holds no other suspect).",
+    ),
+    MetricSpec(
+        "suspects_cleared",
+        Counter,
+        "requests_suspect_cleared",
+        "Suspects that ended without a second group failing under them (completed, ended "
+        "by their client, or failed cleanly).",
+    ),
+    MetricSpec(
+        "quarantined",
+        Counter,
+        "requests_quarantined",
+        "Requests in flight on two groups when each failed: answered 422 "
+        "request_quarantined, never retried.",
+    ),
+    MetricSpec(
+        "quarantine_refusals",
+        Counter,
+        "quarantine_refusals",
+        "Requests refused at admission (422 request_quarantined): identical to a quarantined one.",
+    ),
+    MetricSpec(
+        "quarantine_fingerprints",
+        Gauge,
+        "quarantine_fingerprints",
+        "Fingerprints refused at admission now (at most 10,000; each for --quarantine-s).",
+    ),
+    MetricSpec(
+        "in_flight",
+        Gauge,
+        "requests_in_flight",
+        "Requests the frontend holds (queued or generating).",
+    ),
+)
+
 
 class Metrics:
-    """One registry per server; names are documented in README.md (Metrics)."""
+    """One registry per server, with one attribute per `METRICS` entry (`spec.attr`); names are
+    documented in README.md (Metrics)."""
 
     def __init__(self) -> None:
-        r = self.registry = CollectorRegistry()
-        self.requests = Counter(
-            PREFIX + "requests",
-            "Finished HTTP requests by endpoint and status code.",
-            ["endpoint", "status"],
-            registry=r,
-        )
-        self.prompt_tokens = Counter(
-            PREFIX + "prompt_tokens", "Prompt tokens admitted.", registry=r
-        )
-        self.generation_tokens = Counter(
-            PREFIX + "generation_tokens",
-            "Tokens generated, by the group that generated them.",
-            ["group"],
-            registry=r,
-        )
-        self.ttft = Histogram(
-            PREFIX + "time_to_first_token_seconds",
-            "Time from request arrival to first token.",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.tpot = Histogram(
-            PREFIX + "time_per_output_token_seconds",
-            "Mean time per output token after the first.",
-            buckets=_TPOT_BUCKETS,
-            registry=r,
-        )
-        self.e2e = Histogram(
-            PREFIX + "e2e_request_latency_seconds",
-            "Time from arrival to the last token.",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.running = Gauge(
-            PREFIX + "num_requests_running",
-            "Requests holding KV blocks in a group.",
-            ["group"],
-            registry=r,
-        )
-        self.waiting = Gauge(
-            PREFIX + "num_requests_waiting", "Requests queued in a group.", ["group"], registry=r
-        )
-        self.kv_used = Gauge(
-            PREFIX + "kv_blocks_used", "KV-cache blocks in use, per group.", ["group"], registry=r
-        )
-        self.kv_total = Gauge(
-            PREFIX + "kv_blocks_total", "KV-cache blocks, per group.", ["group"], registry=r
-        )
-        self.preemptions = Gauge(
-            PREFIX + "num_preemptions",
-            "Requests preempted (recomputed later) since start, per group.",
-            ["group"],
-            registry=r,
-        )
-        self.group_ready = Gauge(
-            PREFIX + "group_ready", "1 while the group serves requests.", ["group"], registry=r
-        )
-        self.heartbeat_age = Gauge(
-            PREFIX + "rank_heartbeat_age_seconds",
-            "Seconds since a rank's last heartbeat.",
-            ["group", "rank"],
-            registry=r,
-        )
-        self.rank_utilization = Gauge(
-            PREFIX + "rank_utilization",
-            "GPU utilization of a rank's device, or its process's share of one CPU core (0..1).",
-            ["group", "rank"],
-            registry=r,
-        )
-        self.rank_memory = Gauge(
-            PREFIX + "rank_memory_bytes",
-            "Device memory allocated by a rank (GPU) or its resident memory (CPU).",
-            ["group", "rank"],
-            registry=r,
-        )
-        self.watchdog_verdicts = Counter(
-            PREFIX + "watchdog_verdicts",
-            "Watchdog verdicts: dead, crashed and stalled fence the group; slow is reported only.",
-            ["group", "verdict"],
-            registry=r,
-        )
-        self.dispatch_budget = Gauge(
-            PREFIX + "dispatch_budget_tokens",
-            "Rows a rank may receive in one dispatch round (admission budget).",
-            ["group", "rank"],
-            registry=r,
-        )
-        self.dispatch_recv_peak = Gauge(
-            PREFIX + "dispatch_recv_tokens_peak",
-            "Most rows a rank received in one dispatch round since start.",
-            ["group", "rank"],
-            registry=r,
-        )
-        self.dispatch_rounds = Gauge(
-            PREFIX + "dispatch_rounds_total",
-            "Dispatch rounds run by a rank since start (one per MoE layer and step, more when "
-            "admission cuts a dispatch).",
-            ["group", "rank"],
-            registry=r,
-        )
-        self.dispatch_cut = Gauge(
-            PREFIX + "dispatch_cut_total",
-            "Dispatches admission cut into more than one round, per rank, since start.",
-            ["group", "rank"],
-            registry=r,
-        )
-        self.dispatch_buffer_bytes = Gauge(
-            PREFIX + "dispatch_buffer_bytes",
-            "Preallocated dispatch buffer bytes of a rank.",
-            ["group", "rank"],
-            registry=r,
-        )
-        self.dispatch_buffer_peak_bytes = Gauge(
-            PREFIX + "dispatch_buffer_peak_bytes",
-            "Most dispatch buffer bytes a rank ever used.",
-            ["group", "rank"],
-            registry=r,
-        )
-        self.eplb_balancedness = Gauge(
-            PREFIX + "eplb_balancedness",
-            "How evenly a group's expert-parallel ranks share the routed (token, expert) pairs: "
-            "mean over MoE layers of mean/max per-rank load, averaged over the last `window` "
-            "passes; 1 is even, 1/ep_size is all on one rank. Only groups with ep_size > 1.",
-            ["group", "window"],
-            registry=r,
-        )
-        self.group_state = Gauge(
-            PREFIX + "group_state", "1 for a group's current state.", ["group", "state"], registry=r
-        )
-        self.group_failures = Counter(
-            PREFIX + "group_failures",
-            "Group failures (fenced: all its processes killed).",
-            ["group"],
-            registry=r,
-        )
-        self.group_restarts = Counter(
-            PREFIX + "group_restarts", "Group restarts.", ["group"], registry=r
-        )
-        self.migrations = Counter(
-            PREFIX + "request_migrations",
-            "Requests continued on another group after theirs failed (prompt + tokens already sent).",
-            registry=r,
-        )
-        self.retries = Counter(
-            PREFIX + "request_retries", "Attempts beyond a request's first.", registry=r
-        )
-        self.lost = Counter(
-            PREFIX + "requests_lost",
-            "Requests that ended without a complete answer or a clean error (must stay 0).",
-            registry=r,
-        )
-        self.failed_after_retries = Counter(
-            PREFIX + "requests_failed_after_retries",
-            "Requests answered 503 after their attempts or the retry budget ran out.",
-            registry=r,
-        )
-        self.suspects = Gauge(
-            PREFIX + "requests_suspect",
-            "Requests that were in flight on a group when it failed, not yet ended (running on "
-            "another group, or waiting for one that holds no other suspect).",
-            registry=r,
-        )
-        self.suspects_cleared = Counter(
-            PREFIX + "requests_suspect_cleared",
-            "Suspects that ended without a second group failing under them (completed, ended "
-            "by their client, or failed cleanly).",
-            registry=r,
-        )
-        self.quarantined = Counter(
-            PREFIX + "requests_quarantined",
-            "Requests in flight on two groups when each failed: answered 422 "
-            "request_quarantined, never retried.",
-            registry=r,
-        )
-        self.quarantine_refusals = Counter(
-            PREFIX + "quarantine_refusals",
-            "Requests refused at admission (422 request_quarantined): identical to a "
-            "quarantined one.",
-            registry=r,
-        )
-        self.quarantine_fingerprints = Gauge(
-            PREFIX + "quarantine_fingerprints",
-            "Fingerprints refused at admission now (at most 10,000; each for --quarantine-s).",
-            registry=r,
-        )
-        self.in_flight = Gauge(
-            PREFIX + "requests_in_flight",
-            "Requests the frontend holds (queued or generating).",
-            registry=r,
-        )
+        self.registry = CollectorRegistry()
+        for spec in METRICS:
+            setattr(self, spec.attr, spec.build(self.registry))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -13,7 +13,6 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -28,9 +27,7 @@ from safeserve.server.logprobs import (
     merge_completion_logprobs,
 )
 from safeserve.server.request_count import set_final_status
-
-if TYPE_CHECKING:
-    from safeserve.server.app import ServerState
+from safeserve.server.state import ServerState
 
 logger = logging.getLogger(__name__)
 

@@ -62,7 +62,7 @@ def test_greedy_through_cuda_graphs_equals_transformers(
     checkpoint: Path, hf, blocks, chunk, max_running
 ) -> None:
     """The same on CUDA in float32, decode steps replayed as graphs: their block tables go up
-    only as far as the device lacks them (engine/cuda_graph.py, TableMirror), while requests
+    only as far as the device lacks them (layers/block_tables.py, TableMirror), while requests
     finish, rows change hands, preempted requests come back with new blocks, and tables cross
     block boundaries every 4 tokens."""
     engine = _check_greedy(

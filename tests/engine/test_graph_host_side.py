@@ -16,13 +16,13 @@ from safeserve.engine.cuda_graph import (
     host_tape,
     smallest_bucket,
 )
-from safeserve.engine.parallel import Comm, Layout
 from safeserve.engine.piecewise_graph import piecewise_buckets
 from safeserve.guards.admission import DispatchBuffers
 from safeserve.moe.dispatch import AllGatherDispatcher, CombineInput, DispatchOutput, StepTokens
 from safeserve.moe.eplb.balancedness import layer_balancedness
 from safeserve.moe.placement import ExpertPlacement
 from safeserve.moe.topk import TopKOutput
+from safeserve.parallel.comm import Comm, Layout
 
 HIDDEN, TOKENS, TOP_K, EXPERTS, EP = 8, 5, 2, 8, 2
 
@@ -164,9 +164,9 @@ def test_decode_tables_upload_what_the_device_lacks_and_nothing_more() -> None:
     only new entries, whatever the table width."""
     import random
 
-    from safeserve.engine.cuda_graph import TableUpload
     from safeserve.engine.kv_cache import new_table_id
     from safeserve.engine.plan import SeqPlan
+    from safeserve.layers.block_tables import TableUpload
 
     bsz, max_bs, width = 4, 8, 64
     device = torch.full((max_bs, width), -7, dtype=torch.int32)  # what a step does not copy
@@ -243,9 +243,9 @@ def test_eager_decode_tables_are_as_wide_as_the_longest_context() -> None:
     """Eager decode rows get a view of the upload's rows only as wide as the longest context
     (the decode grid's splits follow the width), not --max-model-len's full width; the rows keep
     their stride and hold each table up to its context."""
-    from safeserve.engine.attention import AttentionMetadata
-    from safeserve.engine.cuda_graph import TableUpload
     from safeserve.engine.kv_cache import new_table_id
+    from safeserve.layers.block_tables import TableUpload
+    from safeserve.layers.paged_attention import AttentionMetadata
 
     bsz = 16
     upload = TableUpload.allocate(

@@ -5,6 +5,7 @@ import time
 from dataclasses import dataclass, field
 
 from safeserve.guards.watchdog import Watchdog
+from safeserve.messages import RankStats
 
 
 @dataclass
@@ -14,7 +15,7 @@ class _St:
     phase: str = "experts"
     phase_since: float = field(default_factory=time.time)
     received_at: float = field(default_factory=time.time)
-    stats: dict = field(default_factory=dict)
+    stats: RankStats = field(default_factory=RankStats)
 
 
 def test_dead_process_is_named() -> None:
@@ -48,9 +49,9 @@ def test_no_progress_with_work_names_the_idle_laggard() -> None:
 def test_slow_needs_a_sustained_window_and_fences_nothing() -> None:
     wd = Watchdog(stall_timeout=10, slow_factor=4, slow_window_s=0.2)
     ranks = {
-        0: _St(stats={"own_step_s": 0.01}),
-        1: _St(stats={"own_step_s": 0.6}),
-        2: _St(stats={"own_step_s": 0.012}),
+        0: _St(stats=RankStats(own_step_s=0.01)),
+        1: _St(stats=RankStats(own_step_s=0.6)),
+        2: _St(stats=RankStats(own_step_s=0.012)),
     }
     assert wd.check(0, ranks, {0: True, 1: True, 2: True}, has_work=True) == []
     time.sleep(0.25)

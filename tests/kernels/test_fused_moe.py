@@ -14,7 +14,7 @@ from counters import assert_counters_zero
 from safeserve.kernels import fused_moe as fm
 from safeserve.kernels import moe_config as mc
 from safeserve.kernels import topk_softmax as tk
-from safeserve.moe.runner import grouped_experts_torch
+from safeserve.kernels.moe_reference import grouped_experts_torch
 
 HAS_CUDA = torch.cuda.is_available() and fm.HAS_TRITON
 INTERPRET = fm.HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1"

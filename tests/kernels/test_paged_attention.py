@@ -10,8 +10,8 @@ import pytest
 import torch
 from counters import assert_counters_zero
 
-from safeserve.engine.attention import AttentionMetadata, paged_attention
 from safeserve.kernels import paged_attention as pa
+from safeserve.layers.paged_attention import AttentionMetadata, paged_attention
 
 HAS_CUDA = torch.cuda.is_available() and pa.HAS_TRITON
 INTERPRET = pa.HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1"
@@ -273,7 +273,7 @@ def test_mixed_step_decodes_through_the_kernel_and_matches_the_torch_path(
 ) -> None:
     """A step mixing prefill chunks and decodes: the decode rows go through the kernel in one
     launch, the chunks through SDPA; the result equals the all-torch path."""
-    from safeserve.engine.attention import attend
+    from safeserve.layers.paged_attention import attend
 
     block_size, scale, hq, hkv, d = 16, 0.1, 8, 2, 64
     query_lens = [1, 5, 1, 1, 17, 1, 33]

@@ -9,9 +9,9 @@ import os
 import pytest
 import torch
 
-from safeserve.engine.attention import AttentionMetadata, attend
 from safeserve.kernels import paged_prefill as pp
 from safeserve.kernels.common import HAS_TRITON, optin_shared_bytes, shared_memory_per_program
+from safeserve.layers.paged_attention import AttentionMetadata, attend
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_CUDA = torch.cuda.is_available()

@@ -226,9 +226,9 @@ def test_gpu_skew_set_after_capture_reaches_the_replay() -> None:
 def test_router_skew_setting_reaches_its_device_tensor() -> None:
     """`Router.skew_expert` (what the engine's fault injection sets) writes the tensor the
     kernels read, and the CPU path skews the same way as the kernels' reference."""
-    from safeserve.moe.topk import Router
+    from safeserve.moe.topk import Router, RouterConfig
 
-    router = Router(32, 16, 4, True)
+    router = Router(32, 16, RouterConfig(4, True))
     router.weight.copy_(torch.randn(16, 32, generator=torch.Generator().manual_seed(3)))
     router.logical_to_physical = torch.randperm(16, generator=torch.Generator().manual_seed(4))
     x = torch.randn(5, 32)

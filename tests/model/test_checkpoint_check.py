@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from checkpoints import write_qwen3_moe_checkpoint
-from safetensors.torch import load_file, save_file
+from model_checks import broken_copy
 
 from safeserve.model.loader import LoadError, check_checkpoint, load_model_config
 
@@ -19,26 +19,13 @@ def good(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_qwen3_moe_checkpoint(tmp_path_factory.mktemp("ckpt") / "good", seed=3)
 
 
-def _broken(good: Path, tmp_path: Path, edit) -> Path:
-    """A copy of the good checkpoint with its tensors passed through `edit`."""
-    out = tmp_path / "broken"
-    out.mkdir()
-    for f in good.iterdir():
-        if f.suffix != ".safetensors":
-            (out / f.name).write_bytes(f.read_bytes())
-    tensors = load_file(str(good / "model.safetensors"))
-    edit(tensors)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return out
-
-
 def test_accepts_a_transformers_checkpoint(good: Path) -> None:
     check_checkpoint(str(good), load_model_config(str(good)))
 
 
 def test_names_a_missing_expert_tensor(good: Path, tmp_path: Path) -> None:
     name = "model.layers.0.mlp.experts.3.down_proj.weight"
-    ckpt = _broken(good, tmp_path, lambda t: t.pop(name))
+    ckpt = broken_copy(good, tmp_path / "broken", lambda t: t.pop(name))
     with pytest.raises(LoadError, match=f"no tensor '{name}'"):
         check_checkpoint(str(ckpt), load_model_config(str(ckpt)))
 
@@ -49,13 +36,13 @@ def test_names_a_wrong_shape(good: Path, tmp_path: Path) -> None:
     def truncate(t: dict) -> None:
         t[name] = t[name][:-1].clone()
 
-    ckpt = _broken(good, tmp_path, truncate)
+    ckpt = broken_copy(good, tmp_path / "broken", truncate)
     with pytest.raises(LoadError, match=f"{name}: checkpoint shape"):
         check_checkpoint(str(ckpt), load_model_config(str(ckpt)))
 
 
 def test_unreadable_file_is_a_load_error(good: Path, tmp_path: Path) -> None:
-    ckpt = _broken(good, tmp_path, lambda t: None)
+    ckpt = broken_copy(good, tmp_path / "broken", lambda t: None)
     (ckpt / "model.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(LoadError, match="cannot read the checkpoint"):
         check_checkpoint(str(ckpt), load_model_config(str(ckpt)))
@@ -64,7 +51,7 @@ def test_unreadable_file_is_a_load_error(good: Path, tmp_path: Path) -> None:
 def test_serve_refuses_before_starting_any_rank(good: Path, tmp_path: Path) -> None:
     """Exit code 2 is the pre-spawn refusal (a group that fails to start exits 1)."""
     name = "model.layers.0.mlp.gate.weight"
-    ckpt = _broken(good, tmp_path, lambda t: t.pop(name))
+    ckpt = broken_copy(good, tmp_path / "broken", lambda t: t.pop(name))
     r = subprocess.run(
         [sys.executable, "-m", "safeserve.cli", "serve", "--model", str(ckpt), "--port", "0"],
         capture_output=True,

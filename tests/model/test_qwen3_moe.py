@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoints import write_qwen3_moe_checkpoint
+from model_checks import paged_logits
 from transformers import AutoModelForCausalLM
 
-from safeserve.engine.attention import AttentionMetadata
-from safeserve.engine.kv_cache import KVCache
-from safeserve.model.config import ModelConfig, ModelConfigError
+from safeserve.model.config import ModelConfigError
 from safeserve.model.loader import build_model, load_model_config
+from safeserve.model.registry import parse_config
 from safeserve.moe.dispatch import LocalDispatcher
 from safeserve.moe.placement import ExpertPlacement
 
@@ -41,29 +41,6 @@ VARIANTS = {
 }
 
 
-def _run_paged(
-    net, ids: list[int], chunks: list[int], block_size: int, table: list[int]
-) -> torch.Tensor:
-    cfg = net.config
-    kv = KVCache(
-        cfg.num_hidden_layers,
-        max(table) + 1,
-        block_size,
-        cfg.num_key_value_heads,
-        cfg.head_dim,
-        torch.float32,
-        "cpu",
-    )
-    logits, start = [], 0
-    for n in chunks:
-        end = start + n
-        meta = AttentionMetadata.build([n], [end], [table], block_size, "cpu")
-        hidden = net(torch.tensor(ids[start:end]), torch.arange(start, end), meta, kv.layers)
-        logits.append(net.compute_logits(hidden))
-        start = end
-    return torch.cat(logits)
-
-
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_logits_match_transformers_prefill_and_decode(variant: str, tmp_path: Path) -> None:
     shard = "20KB" if variant == "sharded" else None
@@ -80,7 +57,7 @@ def test_logits_match_transformers_prefill_and_decode(variant: str, tmp_path: Pa
         ref = hf(torch.tensor([ids])).logits[0]
     # A prefill in uneven chunks, then single-token decode steps, through scattered blocks.
     table = [9, 2, 14, 5, 11, 0, 7, 3]
-    ours = _run_paged(net, ids, [7, 12, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1], block_size=4, table=table)
+    ours = paged_logits(net, ids, [7, 12, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1], block_size=4, table=table)
     assert ours.shape == ref.shape
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
 
@@ -95,16 +72,13 @@ def test_config_rules() -> None:
         num_experts=4,
         num_experts_per_tok=2,
     )
-    cfg = ModelConfig.from_dict({**base, "decoder_sparse_step": 2, "mlp_only_layers": [3]})
+    cfg = parse_config({**base, "decoder_sparse_step": 2, "mlp_only_layers": [3]})
     assert [cfg.is_moe_layer(i) for i in range(4)] == [False, True, False, False]
-    assert (
-        ModelConfig.from_dict({**base, "num_local_experts": 6, "num_experts": None}).num_experts
-        == 6
-    )
+    assert parse_config({**base, "num_local_experts": 6, "num_experts": None}).num_experts == 6
     with pytest.raises(ModelConfigError, match="not supported"):
-        ModelConfig.from_dict({**base, "model_type": "llama"})
+        parse_config({**base, "model_type": "llama"})
     with pytest.raises(ModelConfigError, match="rope_type"):
-        ModelConfig.from_dict({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+        parse_config({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
 
 
 def test_dummy_load_format_needs_only_config_json(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ import openai
 import pytest
 from layouts import layout_args
 
+from safeserve.messages import RankStats
 from safeserve.moe.eplb.balancedness import (
     WINDOWS,
     BalancednessRecorder,
@@ -63,9 +64,9 @@ def test_clear_forgets_every_pass() -> None:
 
 
 def test_group_balancedness_takes_the_first_rank_that_has_it() -> None:
-    stats = [{"device": "cpu"}, {"eplb_balancedness_10": 0.5, "eplb_balancedness_100": 0.7}]
+    stats = [RankStats(device="cpu"), RankStats(balancedness={10: 0.5, 100: 0.7})]
     assert group_balancedness(stats) == {10: 0.5, 100: 0.7}
-    assert group_balancedness([{}, {}]) == {}
+    assert group_balancedness([RankStats(), RankStats()]) == {}
 
 
 def _balancedness(server) -> dict[str, float]:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from safeserve.engine.parallel import Comm
 from safeserve.moe.dispatch.allgather import AllGatherDispatcher
 from safeserve.moe.dispatch.alltoall import AllToAllDispatcher
 from safeserve.moe.dispatch.base import CombineInput, Dispatcher, DispatchOutput, StepTokens
 from safeserve.moe.dispatch.local import LocalDispatcher
 from safeserve.moe.placement import ExpertPlacement
+from safeserve.parallel.comm import Comm
 
 __all__ = [
     "AllGatherDispatcher",

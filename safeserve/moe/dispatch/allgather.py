@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
-from safeserve.engine.parallel import Comm
 from safeserve.guards.admission import plan_token_rounds
 from safeserve.moe.dispatch.base import CombineInput, Dispatcher, DispatchOutput, recv_views
 from safeserve.moe.placement import ExpertPlacement
 from safeserve.moe.topk import TopKOutput
+from safeserve.parallel.comm import Comm
 
 
 def to_local_ids(topk_ids: torch.Tensor, placement: ExpertPlacement) -> torch.Tensor:

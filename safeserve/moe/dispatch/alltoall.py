@@ -25,12 +25,12 @@ from typing import Any
 
 import torch
 
-from safeserve.engine.parallel import Comm
 from safeserve.guards.admission import plan_rounds
 from safeserve.moe.dispatch.allgather import AllGatherDispatcher
 from safeserve.moe.dispatch.base import CombineInput, DispatchOutput, recv_views
 from safeserve.moe.placement import ExpertPlacement
 from safeserve.moe.topk import TopKOutput
+from safeserve.parallel.comm import Comm
 
 
 @dataclass

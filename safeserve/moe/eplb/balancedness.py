@@ -10,7 +10,9 @@ Exported as `safeserve:eplb_balancedness`, the mean over the last 10, 100 and 10
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
+
+from safeserve.messages import RankStats
 
 WINDOWS = (10, 100, 1000)
 _EPS = 1e-5
@@ -59,20 +61,13 @@ class BalancednessRecorder:
         return {w: sum(recent[-w:]) / len(recent[-w:]) for w in WINDOWS}
 
 
-def stats_keys(recorder: BalancednessRecorder) -> dict[str, float]:
-    """What a rank's heartbeat carries: `eplb_balancedness_{window}` per window."""
-    return {f"eplb_balancedness_{w}": v for w, v in recorder.window_means().items()}
-
-
-def group_balancedness(rank_stats: Sequence[Mapping]) -> dict[int, float]:
+def group_balancedness(rank_stats: Sequence[RankStats]) -> dict[int, float]:
     """A group's balancedness per window, from its ranks' heartbeat stats (lowest rank first).
 
     Every rank of a group records the same values; the first rank that has them speaks.
     """
     for stats in rank_stats:
-        found = {
-            w: stats[f"eplb_balancedness_{w}"] for w in WINDOWS if f"eplb_balancedness_{w}" in stats
-        }
+        found = {w: stats.balancedness[w] for w in WINDOWS if w in stats.balancedness}
         if found:
             return found
     return {}

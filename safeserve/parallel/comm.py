@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from safeserve.engine.layout import Layout
+from safeserve.parallel.layout import Layout
 
 # A collective is never waited out: the watchdog fences a group long before this.
 _COLLECTIVE_TIMEOUT = datetime.timedelta(hours=2)

@@ -1,7 +1,7 @@
 """Who a rank is in its group: tensor-, expert- and attention-data-parallel positions.
 
 No torch here: the frontend checks layouts before any rank starts (and without importing torch).
-`safeserve.engine.parallel` holds the collectives.
+`safeserve.parallel.comm` holds the collectives.
 """
 
 from __future__ import annotations

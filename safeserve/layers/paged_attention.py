@@ -20,16 +20,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from safeserve.kernels import paged_attention as pa
 from safeserve.kernels import paged_prefill as pp
-
-if TYPE_CHECKING:
-    from safeserve.engine.cuda_graph import TableUpload
+from safeserve.layers.block_tables import TableUpload
 
 
 @dataclass
@@ -90,7 +87,7 @@ class AttentionMetadata:
         tables: TableUpload | None = None,
     ) -> AttentionMetadata:
         """`use_kernels=False` forces the torch path (the kernels' oracle in tests). With
-        `table_ids` (SeqPlan.table_id) and `tables` (engine/cuda_graph.py, TableUpload) the
+        `table_ids` (SeqPlan.table_id) and `tables` (layers/block_tables.py, TableUpload) the
         decode rows' block tables go up by difference."""
         kernels = use_kernels and _kernels_apply(device)
         ids = table_ids if table_ids is not None else [-1] * len(query_lens)
@@ -251,7 +248,7 @@ def attend(
         )
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[1]
     group = num_heads // num_kv_heads
-    out = torch.empty_like(q)
+    out = q.new_empty(*q.shape[:-1], v_cache.shape[-1])
     if meta.prefill is not None:
         p = meta.prefill
         pp.paged_prefill(

@@ -1,0 +1,171 @@
+"""Multi-head latent attention (DeepSeek-V2/V3) over the paged KV cache, in the latent space.
+
+Per token the cache keeps one vector `[latent ‖ k_pe]` (`kv_lora_rank` + `qk_rope_head_dim`
+entries; the values are its first `kv_lora_rank`, a view: `KVSpec(v_in_k=True)`), shared by all
+heads. The per-head keys and values transformers expands from it through `kv_b_proj` are never
+built: `kv_b_proj`'s key rows are absorbed into the query (q_nope @ W_UK: a latent-space query,
+concatenated with the rotated q_pe), attention runs over the cached vectors as over one KV head,
+and its latent-space output goes through `kv_b_proj`'s value rows (W_UV), then `o_proj`. The
+same scores as `q_nope·k_nope + q_pe·k_pe` of transformers' `DeepseekV3Attention`, up to float
+rounding.
+
+Heads are split across the attention-TP ranks (q_b/q and kv_b rows by head, o columns by head,
+one all-reduce); the latent projections (q_a, kv_a and their norms) are replicated, so every
+rank stores the same cache. `kv_b_proj` keeps its weight as loaded; the absorbed matrices are
+views of it, taken in the forward. Attention is the torch path of `attend` (per-sequence SDPA;
+the engine turns the attention kernels and CUDA graphs off for a latent cache).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from safeserve.kernels import norm_rope as nr
+from safeserve.kernels.linear import linear
+from safeserve.layers.linear import fuse_linears
+from safeserve.layers.norm import RMSNorm
+from safeserve.layers.paged_attention import AttentionMetadata, attend
+from safeserve.parallel.comm import Comm
+
+# transformers builds `q_a_layernorm` and `kv_a_layernorm` with RMSNorm's default eps, not the
+# config's `rms_norm_eps`.
+LATENT_NORM_EPS = 1e-6
+
+
+def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] whose rotary pairs are interleaved (x0, x1), (x2, x3), ...; cos/sin
+    [T, D] in the rotate-half layout (each frequency twice). The output is de-interleaved (the
+    rotated evens, then the rotated odds), as transformers' `apply_rotary_pos_emb_interleave`
+    returns it: queries and cached keys share the layout, so their products are the same."""
+    half = cos.shape[-1] // 2
+    c, s = cos[:, None, :half], sin[:, None, :half]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+def store_latent(entry: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """entry [T, D] into cache [slots, 1, D] at `slots` [T] (-1: nowhere)."""
+    if entry.shape[0] == 0:
+        return
+    entry = entry.to(cache.dtype)[:, None, :]
+    if not cache.is_cuda:
+        rows = (slots >= 0).nonzero().squeeze(1)
+        cache.index_copy_(0, slots[rows], entry[rows])
+        return
+    store_latent_no_sync(entry, cache, slots)
+
+
+def store_latent_no_sync(entry: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """`store_latent` without a host synchronisation (CUDA; any device): entry [T, 1, D]. Rows
+    with slot -1 write, to the largest slot of the step, the value its own row writes there (so
+    duplicate writes agree); with no valid row at all, slot 0 gets its own content back."""
+    valid = slots >= 0
+    top, row = slots.max(0)
+    target = torch.where(valid, slots, top.clamp(min=0))
+    fill = torch.where(top >= 0, entry.index_select(0, row.view(1)), cache[0:1])
+    cache.index_copy_(0, target, torch.where(valid[:, None, None], entry, fill))
+
+
+class MLAttention(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        q_lora_rank: int | None,
+        kv_lora_rank: int,
+        qk_nope_head_dim: int,
+        qk_rope_head_dim: int,
+        v_head_dim: int,
+        scale: float,
+        comm: Comm,
+        reduce: bool,
+        rope_interleave: bool = True,
+        bias: bool = False,
+    ) -> None:
+        """`num_heads`: this rank's heads; `scale`: the softmax scale (qk_head_dim ** -0.5 and
+        YaRN's correction); `reduce`: all-reduce o's partial sums (heads split across ranks);
+        `bias`: transformers' `attention_bias` (q_a, kv_a and o biases; o's added after the
+        all-reduce)."""
+        super().__init__()
+        self.num_heads = num_heads
+        self.q_lora_rank = q_lora_rank
+        self.kv_lora_rank = kv_lora_rank
+        self.nope, self.rope, self.v_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+        self.scale = scale
+        self.comm = comm
+        self.reduce = reduce
+        self.rope_interleave = rope_interleave
+        qk = qk_nope_head_dim + qk_rope_head_dim
+        if q_lora_rank is None:
+            self.q_proj: nn.Linear | None = nn.Linear(hidden_size, num_heads * qk, bias=False)
+            self.q_a_proj: nn.Linear | None = None
+            self.q_a_layernorm: RMSNorm | None = None
+            self.q_b_proj: nn.Linear | None = None
+        else:
+            self.q_proj = None
+            self.q_a_proj = nn.Linear(hidden_size, q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = nn.Linear(q_lora_rank, num_heads * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden_size, kv_lora_rank + qk_rope_head_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(kv_lora_rank, LATENT_NORM_EPS)
+        self.kv_b_proj = nn.Linear(
+            kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False
+        )
+        self.o_proj = nn.Linear(num_heads * v_head_dim, hidden_size, bias=False)
+        self.o_bias = nn.Parameter(torch.zeros(hidden_size), requires_grad=False) if bias else None
+        # q_a|kv_a as one GEMM (both read the layer's input) once `fuse_projections` ran.
+        self.a_weight: torch.Tensor | None = None
+        self.a_bias: torch.Tensor | None = None
+
+    def fuse_projections(self) -> None:
+        if self.q_a_proj is not None:
+            self.a_weight, self.a_bias = fuse_linears([self.q_a_proj, self.kv_a_proj_with_mqa])
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q [T, heads * qk_head_dim], compressed kv [T, kv_lora_rank + qk_rope_head_dim])."""
+        if self.q_proj is not None:
+            return self.q_proj(x), self.kv_a_proj_with_mqa(x)
+        assert self.q_a_proj is not None and self.q_a_layernorm is not None
+        assert self.q_b_proj is not None
+        if self.a_weight is not None:
+            q_a, kv = F.linear(x, self.a_weight, self.a_bias).split(
+                [self.q_a_proj.weight.shape[0], self.kv_a_proj_with_mqa.weight.shape[0]], dim=-1
+            )
+        else:
+            q_a, kv = self.q_a_proj(x), self.kv_a_proj_with_mqa(x)
+        return self.q_b_proj(self.q_a_layernorm(q_a)), kv
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.rope_interleave:
+            return apply_rope_interleaved(x, cos, sin)
+        return nr.apply_rope(x, cos, sin)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        t, heads, lat = x.shape[0], self.num_heads, self.kv_lora_rank
+        q, kv = self._project(x)
+        q_nope, q_pe = q.view(t, heads, self.nope + self.rope).split([self.nope, self.rope], -1)
+        latent = self.kv_a_layernorm(kv[:, :lat])
+        k_pe = self._rotate(kv[:, None, lat:], cos, sin)  # [T, 1, rope]
+        store_latent(torch.cat([latent, k_pe[:, 0]], dim=-1), kv_cache[0], meta.slot_mapping)
+        # kv_b_proj rows by head: nope key rows (W_UK) then value rows (W_UV), [lat] columns.
+        w = self.kv_b_proj.weight.view(heads, self.nope + self.v_dim, lat)
+        w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, heads, lat]
+        query = torch.cat([q_latent, self._rotate(q_pe, cos, sin)], dim=-1)
+        out = attend(query, kv_cache, meta, self.scale)  # [T, heads, lat]
+        out = torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2))  # [heads, T, v]
+        out = linear(out.transpose(0, 1).reshape(t, heads * self.v_dim), self.o_proj.weight)
+        if self.reduce:
+            out = self.comm.all_reduce(out)
+        if self.o_bias is not None:
+            out = out + self.o_bias
+        return out

@@ -1,0 +1,1 @@
+"""Mixtral (`model_type: mixtral`): `spec.py` (config, weights, KV cache) and `model.py`."""

@@ -1,0 +1,53 @@
+"""Qwen3-MoE's config, weight specification and KV-cache specification (no torch).
+
+Grouped-query attention with per-head q/k RMSNorm, softmax top-k routing, dense layers where
+`mlp_only_layers` or `decoder_sparse_step` say so. Experts are read as transformers saves them
+(`mlp.experts.{e}.gate_proj.weight`, ...) or in the fused 3-D form (`mlp.experts.gate_up_proj`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from safeserve.model.config import ModelConfig, SparseStepConfig
+from safeserve.model.sharding import (
+    dense_mlp_specs,
+    embedding_specs,
+    gqa_attention_specs,
+    head_split,
+    routed_expert_specs,
+    whole,
+)
+from safeserve.model.spec import KVSpec, WeightSpecs
+from safeserve.parallel.layout import Layout
+
+MODEL = "safeserve.model.qwen3_moe.model:Qwen3MoeForCausalLM"
+
+
+class Qwen3MoeConfig(SparseStepConfig):
+    pass
+
+
+def parse_config(d: dict[str, Any]) -> Qwen3MoeConfig:
+    return Qwen3MoeConfig(**ModelConfig.common(d), **SparseStepConfig.sparse_fields(d))
+
+
+def weight_specs(cfg: ModelConfig, layout: Layout) -> WeightSpecs:
+    specs = embedding_specs(cfg)
+    h = cfg.hidden_size
+    for i in range(cfg.num_hidden_layers):
+        ours, hf = f"layers.{i}.", f"model.layers.{i}."
+        specs |= gqa_attention_specs(cfg, layout, ours + "self_attn.", hf + "self_attn.", True)
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            specs[ours + norm + ".weight"] = whole((h,), hf + norm + ".weight")
+        if cfg.is_moe_layer(i):
+            specs[ours + "mlp.gate.weight"] = whole((cfg.num_experts, h), hf + "mlp.gate.weight")
+            specs |= routed_expert_specs(cfg, layout, ours + "mlp.experts.", hf + "mlp.experts.")
+        else:
+            specs |= dense_mlp_specs(cfg, layout, ours + "mlp.", hf + "mlp.")
+    return specs
+
+
+def kv_spec(cfg: ModelConfig, layout: Layout) -> KVSpec:
+    heads = head_split(cfg, layout).num_kv_heads
+    return KVSpec(cfg.num_hidden_layers, heads, cfg.head_dim, cfg.head_dim)

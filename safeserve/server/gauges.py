@@ -1,0 +1,57 @@
+"""The metrics gauges, refreshed from the groups' latest reports when `/metrics` is scraped.
+
+Per group: ready, running and waiting requests, KV blocks, preemptions and the expert-load
+balancedness of each window; per rank: heartbeat age, utilization, memory and the dispatch
+admission numbers; overall: the requests in flight.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+from safeserve.moe.eplb.balancedness import WINDOWS as BALANCE_WINDOWS
+from safeserve.moe.eplb.balancedness import group_balancedness
+from safeserve.server.state import ServerState
+
+
+def refresh_gauges(state: ServerState) -> None:
+    m = state.metrics
+    now = time.time()
+    for sup in state.supervisors:
+        g = sup.client
+        label = str(sup.group)
+        m.group_ready.labels(label).set(1 if sup.ready else 0)
+        if g is None:
+            continue
+        m.running.labels(label).set(g.stats.num_running)
+        m.waiting.labels(label).set(g.stats.num_waiting)
+        m.kv_used.labels(label).set(g.stats.kv_blocks_used)
+        m.kv_total.labels(label).set(g.stats.kv_blocks_total)
+        m.preemptions.labels(label).set(g.stats.num_preemptions)
+        for r in g.ranks.values():
+            rank = str(r.rank)
+            m.heartbeat_age.labels(label, rank).set(max(0.0, now - r.received_at))
+            m.rank_utilization.labels(label, rank).set(r.utilization)
+            if r.stats.memory_bytes is not None:
+                m.rank_memory.labels(label, rank).set(r.stats.memory_bytes)
+            d = r.stats.dispatch
+            if d is not None:
+                for gauge, value in (
+                    (m.dispatch_budget, d.budget_tokens),
+                    (m.dispatch_recv_peak, d.recv_tokens_peak),
+                    (m.dispatch_rounds, d.rounds_total),
+                    (m.dispatch_cut, d.cut_total),
+                    (m.dispatch_buffer_bytes, d.buffer_bytes),
+                    (m.dispatch_buffer_peak_bytes, d.buffer_peak_bytes),
+                ):
+                    gauge.labels(label, rank).set(value)
+        ranks = [st.stats for _, st in sorted(g.ranks.items())]
+        balance = group_balancedness(ranks)
+        for window in BALANCE_WINDOWS:
+            if window in balance:
+                m.eplb_balancedness.labels(label, str(window)).set(balance[window])
+            else:  # none yet (a restarted group before its first pass): no stale series
+                with contextlib.suppress(KeyError):
+                    m.eplb_balancedness.remove(label, str(window))
+    m.in_flight.set(len(state.generator.active) if state.generator else 0)
