@@ -78,7 +78,10 @@ class RoutingProbe:
         if graph_bucket is not None:
             src = self.captured["decode"][graph_bucket]
         elif piecewise is not None and piecewise.can_run(batch):  # one token per sequence
-            src = self.captured["piecewise"][smallest_bucket(piecewise.buckets, batch)]
+            bucket = smallest_bucket(piecewise.buckets, batch)
+            # where no decode graph was captured, the piecewise captures were taken for them
+            kind = "decode" if getattr(self.runner, "cuda_graphs", None) is None else "piecewise"
+            src = self.captured[kind][bucket]
         else:
             src = self.eager
         ids = torch.stack([src[i][:batch] for i in range(self.num_layers)])  # [L, B, k]

@@ -122,9 +122,10 @@ class ModelRunner:
     @property
     def attention_kernels(self) -> bool:
         """Whether the paged-attention kernels serve this family's cache: K and V heads of one
-        size. A cache of one latent vector per token (MLA) attends through the torch path."""
+        size (`kernels/paged_attention.py`, `paged_prefill.py`), or one latent vector per token
+        (MLA: `kernels/mla_attention.py`)."""
         spec = self.kv_spec
-        return not spec.v_in_k and spec.k_dim == spec.v_dim
+        return spec.v_in_k or spec.k_dim == spec.v_dim
 
     def capture_cuda_graphs(self) -> None:
         """Decode steps as CUDA graphs, then prefill and mixed steps as piecewise ones; each

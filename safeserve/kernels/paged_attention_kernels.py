@@ -93,6 +93,26 @@ if HAS_TRITON:
             k = tl.load(kc_ptr + kv_off, mask=kv_mask, other=0.0)
             v = tl.load(vc_ptr + kv_off, mask=kv_mask, other=0.0)
         qk = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        return _softmax_step(qk, v, ok, pos, pos_q, m_i, l_i, acc, DOT_PRECISION, CAUSAL, FULL)
+
+    @triton.jit
+    def _softmax_step(
+        qk,
+        v,
+        ok,
+        pos,
+        pos_q,
+        m_i,
+        l_i,
+        acc,
+        DOT_PRECISION: tl.constexpr,
+        CAUSAL: tl.constexpr,
+        FULL: tl.constexpr,
+    ):
+        """The online-softmax update of one tile (paged GQA and MLA attention alike): scaled
+        scores qk [R, N] (log2 units) of positions `pos` [N] (valid where `ok`), masked unless
+        FULL (causally by pos_q [R] with CAUSAL), folded into the running max m_i, sum l_i and
+        output acc [R, D] with values v [N, D]."""
         if not FULL:
             if CAUSAL:
                 qk = tl.where(ok[None, :] & (pos[None, :] <= pos_q[:, None]), qk, float("-inf"))

@@ -12,8 +12,8 @@ rounding.
 Heads are split across the attention-TP ranks (q_b/q and kv_b rows by head, o columns by head,
 one all-reduce); the latent projections (q_a, kv_a and their norms) are replicated, so every
 rank stores the same cache. `kv_b_proj` keeps its weight as loaded; the absorbed matrices are
-views of it, taken in the forward. Attention is the torch path of `attend` (per-sequence SDPA;
-the engine turns the attention kernels and CUDA graphs off for a latent cache).
+views of it, taken in the forward. `attend` runs the MLA kernels over the latent cache on CUDA
+(`safeserve.kernels.mla_attention`, in CUDA graphs too) and per-sequence SDPA elsewhere.
 """
 
 from __future__ import annotations
@@ -46,9 +46,11 @@ def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 
 
 def store_latent(entry: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
-    """entry [T, D] into cache [slots, 1, D] at `slots` [T] (-1: nowhere)."""
+    """entry [T, D] into cache [slots, 1, D] at `slots` [T] (-1: nowhere; int32 as the decode
+    graphs' static inputs hold them, or int64)."""
     if entry.shape[0] == 0:
         return
+    slots = slots.long()  # index_copy_ takes int64 indices only
     entry = entry.to(cache.dtype)[:, None, :]
     if not cache.is_cuda:
         rows = (slots >= 0).nonzero().squeeze(1)

@@ -1,15 +1,18 @@
 """Attention over the paged KV cache.
 
-The cache of one layer is a pair of tensors `[num_blocks * block_size, kv_heads, head_dim]`; a
-token at position `p` of a request lives in slot `block_table[p // block_size] * block_size +
-p % block_size`. Each step writes the new tokens' keys/values into their slots, then every
-sequence attends over slots `0 .. context_len-1` read back through its block table.
+The cache of one layer is a pair of tensors `[num_blocks * block_size, kv_heads, dim]` (keys,
+values); for multi-head latent attention one tensor of one latent vector per token, the values
+being a view of its first entries (`is_latent`). A token at position `p` of a request lives in
+slot `block_table[p // block_size] * block_size + p % block_size`. Each step writes the new
+tokens' keys/values into their slots, then every sequence attends over slots
+`0 .. context_len-1` read back through its block table.
 
 Two paths. On CUDA everything runs Triton kernels straight over the block tables, with no
 per-sequence loop: the sequences that decode one token run the decode kernel
 (`safeserve.kernels.paged_attention`, CUDA graph safe: all of a pure decode step, and the
 decoding rows of a mixed step in one launch); the prefill chunks of a step run the prefill kernel
-(`safeserve.kernels.paged_prefill`, one launch for all of them). On CPU (and with
+(`safeserve.kernels.paged_prefill`, one launch for all of them); over a latent cache the MLA
+kernels do both (`safeserve.kernels.mla_attention`). On CPU (and with
 `use_kernels=False`) the torch path below runs one SDPA call per sequence; it is also the
 kernels' test oracle. The model stores this step's
 keys/values itself (fused with q/k norm and RoPE: `safeserve.kernels.norm_rope`) and calls
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from safeserve.kernels import mla_attention as mla
 from safeserve.kernels import paged_attention as pa
 from safeserve.kernels import paged_prefill as pp
 from safeserve.layers.block_tables import TableUpload
@@ -241,32 +245,43 @@ def attend(
     if meta.cut is not None:
         return meta.cut(q, kv_cache, scale)
     k_cache, v_cache = kv_cache
-    if meta.is_decode_kernel:
-        assert meta.block_tables is not None and meta.context_lens is not None
+    latent = is_latent(kv_cache)
+
+    def decode(rows: torch.Tensor, d: AttentionMetadata) -> torch.Tensor:
+        assert d.block_tables is not None and d.context_lens is not None
+        if latent:
+            return mla.mla_decode(
+                rows,
+                k_cache,
+                d.block_tables,
+                d.context_lens,
+                d.block_size,
+                scale,
+                v_cache.shape[-1],
+            )
         return pa.paged_decode(
-            q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.block_size, scale
+            rows, k_cache, v_cache, d.block_tables, d.context_lens, d.block_size, scale
         )
+
+    if meta.is_decode_kernel:
+        return decode(q, meta)
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[1]
     group = num_heads // num_kv_heads
     out = q.new_empty(*q.shape[:-1], v_cache.shape[-1])
     if meta.prefill is not None:
         p = meta.prefill
-        pp.paged_prefill(
-            q, k_cache, v_cache, p.block_tables, p.info, p.max_q_len, meta.block_size, scale, out,
-            p.config,
-        )  # fmt: skip
+        if latent:
+            mla.mla_prefill(
+                q, k_cache, p.block_tables, p.info, p.max_q_len, meta.block_size, scale,
+                v_cache.shape[-1], out,
+            )  # fmt: skip
+        else:
+            pp.paged_prefill(
+                q, k_cache, v_cache, p.block_tables, p.info, p.max_q_len, meta.block_size, scale,
+                out, p.config,
+            )  # fmt: skip
     if meta.decode is not None and meta.decode_rows is not None:
-        d = meta.decode
-        assert d.block_tables is not None and d.context_lens is not None
-        out[meta.decode_rows] = pa.paged_decode(
-            q[meta.decode_rows],
-            k_cache,
-            v_cache,
-            d.block_tables,
-            d.context_lens,
-            d.block_size,
-            scale,
-        )
+        out[meta.decode_rows] = decode(q[meta.decode_rows], meta.decode)
     for s in meta.seqs:
         rows = slice(s.query_start, s.query_start + s.query_len)
         qs = q[rows].transpose(0, 1)  # [Hq, q, D]
@@ -282,3 +297,11 @@ def attend(
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
         out[rows] = o.transpose(0, 1)
     return out
+
+
+def is_latent(kv_cache: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    """Whether the cache is one latent vector per token whose first entries are the values
+    (multi-head latent attention: `KVSpec.v_in_k`): the value tensor is a view of the key
+    tensor, shorter than it."""
+    k_cache, v_cache = kv_cache
+    return v_cache.data_ptr() == k_cache.data_ptr() and v_cache.shape[-1] < k_cache.shape[-1]

@@ -107,6 +107,7 @@ def _kernel_paths_on(capability: int, shared: int) -> None:
 def _launch_everything(capability: int, shared: int) -> None:
     from safeserve.kernels import fused_moe as fm
     from safeserve.kernels import linear as lin
+    from safeserve.kernels import mla_attention as mla
     from safeserve.kernels import moe_config as mc
     from safeserve.kernels import norm_rope as nr
     from safeserve.kernels import paged_attention as pa
@@ -167,6 +168,31 @@ def _launch_everything(capability: int, shared: int) -> None:
                 torch.zeros(e, dtype=torch.int64),
                 skew=skew,
             )
+    for dtype in (bf16, torch.float32):  # MLA over a latent cache (DeepSeek-V3 shapes)
+        latent, entry, mla_heads = 512, 576, 16
+        cache = torch.empty(64, 1, entry, dtype=dtype)
+        for batch, width in ((1, 4), (64, 256)):  # one split; split contexts and the merge
+            mla.mla_decode(
+                torch.empty(batch, mla_heads, entry, dtype=dtype),
+                cache,
+                torch.zeros(batch, width, dtype=torch.int32),
+                torch.ones(batch, dtype=torch.int32),
+                16,
+                0.1,
+                latent,
+            )
+        info = torch.tensor([[40, 0, 33], [7, 33, 7]], dtype=torch.int32)
+        mla.mla_prefill(
+            torch.empty(40, mla_heads, entry, dtype=dtype),
+            cache,
+            torch.zeros(2, 4, dtype=torch.int32),
+            info,
+            33,
+            16,
+            0.1,
+            latent,
+            torch.empty(40, mla_heads, latent, dtype=dtype),
+        )
     for n_out, n_in in ((5120, 2048), (2048, 4096)):  # q|k|v and o_proj at their plans
         for dtype in (bf16, torch.float32):
             lin.linear(torch.empty(1, n_in, dtype=dtype), torch.empty(n_out, n_in, dtype=dtype))

@@ -199,7 +199,8 @@ def _triton_variants() -> dict[str, set]:
 
 
 def test_warm_up_builds_every_kernel_variant_later_requests_use() -> None:
-    from safeserve.engine.engine import Engine, warm_up_sizes
+    from safeserve.engine.engine import Engine
+    from safeserve.engine.warm_up import warm_up_sizes
 
     args = ServerArgs(
         device="cuda",

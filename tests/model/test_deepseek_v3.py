@@ -288,6 +288,20 @@ def test_store_without_host_sync_skips_minus_one_slots() -> None:
         assert torch.equal(got[untouched], base[untouched])
 
 
+def test_store_takes_the_decode_graphs_int32_slots() -> None:
+    """The decode graphs hold their slots as int32 (engine/cuda_graph.py): the store writes
+    with them what it writes with int64 slots."""
+    gen = torch.Generator().manual_seed(1)
+    slots = torch.tensor([5, -1, 2, 7])
+    entry = torch.randn(4, 6, generator=gen)
+    base = torch.randn(9, 1, 6, generator=gen)
+    want, got = base.clone(), base.clone()
+    store_latent(entry, want, slots)
+    store_latent(entry, got, slots.to(torch.int32))
+    assert torch.equal(got, want)
+    assert not torch.equal(got, base)
+
+
 # -- the start-up check of a broken checkpoint ----------------------------------------------------
 
 
