@@ -3,44 +3,45 @@
 With tensor-parallel attention every rank computes the same sequences (its heads of them) and the
 leader samples; with attention data-parallel each rank computes and samples its own sequences.
 Ranks with no tokens still run the forward pass, so that every MoE collective has all ranks.
+
+Start-up sizing and what a rank reports are in `rank_setup.py`, its CUDA graphs in
+`rank_graphs.py`; this module sets a rank up and runs its steps.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 
 import torch
 
 from safeserve.config import ServerArgs
+from safeserve.engine import rank_graphs
 from safeserve.engine.cuda_graph import DecodeCudaGraphs
-from safeserve.engine.kv_cache import KVCache, kv_blocks_from_memory
+from safeserve.engine.kv_cache import KVCache
 from safeserve.engine.logprobs import prompt_logprobs, sampled_logprobs
 from safeserve.engine.outcome import RankResult, apply_request_faults
 from safeserve.engine.piecewise_graph import PiecewiseCudaGraphs
 from safeserve.engine.plan import Faults, SeqPlan, StepPlan
+from safeserve.engine.rank_setup import (
+    admission_buffers,
+    guard_sizing,
+    num_kv_blocks,
+    rank_device,
+    rank_stats,
+)
 from safeserve.engine.sampler import sample
-from safeserve.guards.admission import DispatchBuffers, bytes_per_recv_row
 from safeserve.kernels.common import set_pdl
 from safeserve.layers.block_tables import TableUpload
 from safeserve.layers.paged_attention import AttentionMetadata
-from safeserve.messages import DispatchSizing, DispatchStats, GuardSizing, RankStats
+from safeserve.messages import GuardSizing, RankStats
 from safeserve.model import registry
 from safeserve.model.loader import DTYPES, build_model, load_model_config
-from safeserve.model.sharding import expert_split, head_split
+from safeserve.model.sharding import expert_split
 from safeserve.moe.dispatch import StepTokens, make_dispatcher
 from safeserve.parallel.comm import Comm, Layout
 
-logger = logging.getLogger(__name__)
-
 PhaseCallback = Callable[[int, str], None]
-
-
-def rank_device(args: ServerArgs, rank: int, device_index: int | None = None) -> torch.device:
-    if args.device == "cuda":
-        return torch.device("cuda", rank if device_index is None else device_index)
-    return torch.device("cpu")
 
 
 class ModelRunner:
@@ -86,11 +87,15 @@ class ModelRunner:
         self.step_id = 0
         self.max_model_len = args.max_model_len or cfg.max_position_embeddings
         self.kv_spec = registry.kv_spec(cfg, self.layout)
-        self.num_blocks = self._agree_min(self._num_kv_blocks())
+        self.num_blocks = self.agree_min(
+            num_kv_blocks(args, self.kv_spec, self.device, self.max_model_len)
+        )
         self.kv = KVCache.from_spec(
             self.kv_spec, self.num_blocks, args.block_size, DTYPES[args.dtype], self.device
         )
-        self.buffers = self._setup_admission()
+        self.buffers = admission_buffers(args, cfg, self.layout, self.device, self.agree_min)
+        if self.dispatcher is not None:
+            self.dispatcher.buffers = self.buffers
         self.faults = Faults()
         self.serving = False  # set by begin_serving()
         self.startup_peak_bytes: int | None = None  # set by begin_serving()
@@ -109,15 +114,8 @@ class ModelRunner:
             self.capture_cuda_graphs()
 
     def graphs_possible(self) -> bool:
-        """Whether this group's steps can be CUDA graphs (decode: engine/cuda_graph.py; prefill
-        and mixed: engine/piecewise_graph.py): CUDA and not disabled. Every layout: the
-        `alltoall` backend dispatches captured steps as `none` does (moe/dispatch/alltoall.py),
-        and with attention data-parallel every rank replays the largest rank's bucket."""
-        return (
-            self.device.type == "cuda"
-            and not self.args.disable_cuda_graph
-            and self.attention_kernels
-        )
+        """Whether this group's steps can be CUDA graphs (`rank_graphs.graphs_possible`)."""
+        return rank_graphs.graphs_possible(self)
 
     @property
     def attention_kernels(self) -> bool:
@@ -129,106 +127,12 @@ class ModelRunner:
 
     def capture_cuda_graphs(self) -> None:
         """Decode steps as CUDA graphs, then prefill and mixed steps as piecewise ones; each
-        kind on every rank of the group or on none."""
-        if not self.graphs_possible():
-            return
-        args = self.args
-        max_bs = min(args.cuda_graph_max_bs, args.max_running_requests)
-        graphs = DecodeCudaGraphs(
-            self.model,
-            self.kv.layers,
-            max_bs,
-            self.max_model_len,
-            args.block_size,
-            self.device,
-            dispatcher=self.dispatcher,
-            # the leader samples with tensor-parallel attention, every rank with data-parallel
-            logits=self.layout.rank == 0 or self.layout.dp_attention,
-            ranks=self.layout.tp_size,
-            replicated=not self.layout.dp_attention,
-        )
-        if self._capture("decode", graphs.capture):
-            self.cuda_graphs = graphs
-        max_tokens = min(args.cuda_graph_max_tokens, args.max_num_batched_tokens)
-        if max_tokens < 1:
-            return
-        piecewise = PiecewiseCudaGraphs(
-            self.model,
-            self.kv.layers,
-            max_tokens,
-            head_split(self.config, self.layout).num_heads,
-            self.kv_spec.k_dim,
-            self.kv_spec.v_dim,
-            DTYPES[args.dtype],
-            self.device,
-            dispatcher=self.dispatcher,
-            ranks=self.layout.tp_size,
-            replicated=not self.layout.dp_attention,
-        )
-        if self._capture("piecewise", piecewise.capture):
-            self.piecewise = piecewise
-
-    def _capture(self, what: str, capture: Callable[[], None]) -> bool:
-        """Runs a capture on every rank; False (and the group runs those steps eagerly) when it
-        failed on any rank: a rank replaying while a peer runs the step eagerly would pair
-        different collectives."""
-        error = ""
-        try:
-            capture()
-        except RuntimeError as e:  # a forward that cannot be captured still serves, eagerly
-            error = str(e) or type(e).__name__
-        if self._agree_min(0 if error else 1) == 0:
-            logger.warning(
-                "%s CUDA graph capture failed%s, running those steps eagerly%s",
-                what,
-                " on a peer rank" if not error else "",
-                f": {error}" if error else "",
-            )
-            return False
-        return True
-
-    # -- start-up -------------------------------------------------------------------------------
-    def _setup_admission(self) -> DispatchBuffers | None:
-        """Preallocates the dispatch buffers at the receive budget (the same on every rank)."""
-        cfg, args = self.config, self.args
-        if self.dispatcher is None or args.dispatch_budget_tokens == 0:
-            return None
-        placement, i0, i1 = expert_split(cfg, self.layout)
-        dtype = DTYPES[args.dtype]
-        row_bytes = bytes_per_recv_row(
-            cfg.hidden_size, i1 - i0, cfg.num_experts_per_tok, placement.experts_per_rank, dtype
-        )
-        if args.dispatch_budget_tokens is not None:
-            budget = args.dispatch_budget_tokens
-        else:
-            if self.device.type == "cuda":
-                # Half of what is left after weights and KV cache; the rest is for activations.
-                free_bytes = torch.cuda.mem_get_info(self.device)[0] // 2
-            else:
-                free_bytes = int(args.dispatch_memory_gb * (1 << 30))
-            # More than a full step of every attention group's tokens is never received.
-            useful = self.layout.dp_size * args.max_num_batched_tokens
-            budget = max(1, min(useful, free_bytes // row_bytes))
-        budget = self._agree_min(budget)
-        buffers = DispatchBuffers.allocate(
-            budget, cfg.hidden_size, i1 - i0, cfg.num_experts_per_tok, dtype, self.device
-        )
-        self.dispatcher.buffers = buffers
-        return buffers
+        kind on every rank of the group or on none (`rank_graphs.capture`)."""
+        self.cuda_graphs, self.piecewise = rank_graphs.capture(self)
 
     def guard_sizing(self) -> GuardSizing:
         """The numbers the leader sizes prefill chunks from (and /admin/config shows)."""
-        if self.buffers is None:
-            return GuardSizing()
-        cfg = self.config
-        dispatch = DispatchSizing(
-            buffer_bytes=self.buffers.nbytes,
-            bytes_per_recv_row=self.buffers.row_bytes(),
-            attention_groups=self.layout.dp_size,
-            top_k=cfg.num_experts_per_tok,
-            local_experts=expert_split(cfg, self.layout)[0].experts_per_rank,
-        )
-        return GuardSizing(self.buffers.max_recv_tokens, dispatch)
+        return guard_sizing(self.buffers, self.config, self.layout)
 
     def begin_serving(self) -> None:
         """Called when the group idles (the first time: start-up is over). From then on
@@ -245,28 +149,7 @@ class ModelRunner:
 
     def stats(self) -> RankStats:
         """What this rank's heartbeats carry besides (step, phase)."""
-        out = RankStats(own_step_s=self.last_own_step_s, device=str(self.device))
-        if self.device.type == "cuda":
-            out.memory_bytes = torch.cuda.memory_allocated(self.device)
-            out.memory_peak_bytes = torch.cuda.max_memory_allocated(self.device)
-            out.memory_startup_peak_bytes = self.startup_peak_bytes
-        if self.cuda_graphs is not None:
-            out.cuda_graph_replays = self.cuda_graphs.replays
-        if self.piecewise is not None:
-            out.piecewise_graph_replays = self.piecewise.replays
-        if self.dispatcher is not None:
-            out.balancedness = self.dispatcher.balance.window_means()
-        if self.buffers is not None:
-            st = self.buffers.stats
-            out.dispatch = DispatchStats(
-                budget_tokens=st.budget,
-                recv_tokens_peak=st.recv_peak,
-                rounds_total=st.rounds_total,
-                cut_total=st.dispatches_cut,
-                buffer_bytes=st.buffer_bytes,
-                buffer_peak_bytes=st.buffer_peak_bytes,
-            )
-        return out
+        return rank_stats(self)
 
     def apply_faults(self, faults: Faults | None) -> None:
         faults = faults or Faults()
@@ -276,15 +159,9 @@ class ModelRunner:
                     layer.mlp.gate.skew_expert = faults.route_skew_expert
         self.faults = faults
 
-    def _num_kv_blocks(self) -> int:
-        args = self.args
-        if args.num_kv_blocks is not None:
-            return args.num_kv_blocks
-        per_block = KVCache.bytes_per_block(self.kv_spec, args.block_size, DTYPES[args.dtype])
-        return kv_blocks_from_memory(args, per_block, self.device, self.max_model_len)
-
-    def _agree_min(self, value: int) -> int:
-        """Every rank must hold the same number of blocks: take the smallest."""
+    def agree_min(self, value: int) -> int:
+        """The group's smallest `value` (KV blocks, the receive budget, a capture's success),
+        the same on every rank."""
         values = self.comm.gather_objects(value)
         return int(self.comm.broadcast_object(min(values) if values else value))  # type: ignore[type-var]
 
