@@ -1,0 +1,123 @@
+"""Every new family through the server's fault paths: two groups of two ranks (`alltoall`) with
+a dispatch budget of 4 rows (prefill sizing then chunks every prompt so that no rank receives
+more in a round); a rank of group 0 SIGKILLed while greedy streams run on both groups. Every request ends with exactly the
+tokens transformers' `generate` gives (float32), nothing lost or repeated, and the group comes
+back."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import httpx
+import pytest
+import torch
+from checkpoints_deepseek_v3 import write_deepseek_v3_checkpoint
+from checkpoints_families import write_mixtral_checkpoint, write_qwen2_moe_checkpoint
+from serving import admin_groups, metric, start_server, stop_server, two_groups
+from transformers import AutoModelForCausalLM
+
+WRITERS = {
+    "mixtral": write_mixtral_checkpoint,
+    "qwen2_moe": write_qwen2_moe_checkpoint,
+    "deepseek_v3": write_deepseek_v3_checkpoint,
+}
+N, TOKENS = 8, 24
+
+
+def _greedy(hf, ids: list[int]) -> list[int]:  # type: ignore[no-untyped-def]
+    """transformers' argmax continuation, EOS included (the server runs with ignore_eos)."""
+    ids = list(ids)
+    with torch.no_grad():
+        for _ in range(TOKENS):
+            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[-TOKENS:]
+
+
+def _prompt(i: int) -> list[int]:
+    return [(37 * i + 11 * j) % 250 + 3 for j in range(5 + i)]
+
+
+@pytest.mark.parametrize("family", sorted(WRITERS))
+def test_failover_and_admission_keep_every_token(family: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    ckpt = WRITERS[family](tmp_path / "ckpt", seed=8)
+    hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    ref = [_greedy(hf, _prompt(i)) for i in range(N)]
+    args = ["--model", str(ckpt), "--served-model-name", family, "--dtype", "float32"]
+    args += two_groups("--dispatch-budget-tokens", "4", "--max-model-len", "256")
+    s = start_server(args, tmp_path / "server.log")
+    try:
+        pids = {g["id"]: g["ranks"][1]["pid"] for g in admin_groups(s)}
+        killed: list[int] = []
+
+        def fault(groups: set[int]) -> None:  # a rank of a group that holds streams
+            killed.append(min(groups))
+            os.kill(pids[killed[0]], signal.SIGKILL)
+
+        results = asyncio.run(_stream_all(s.url, family, fault))
+        assert any(r["group"] == killed[0] for r in results)
+        for i, r in enumerate(results):
+            assert not r["errors"], r["errors"]
+            assert r["ids"] == ref[i], i  # nothing lost, nothing repeated, transformers' tokens
+        assert metric(s, "safeserve:request_migrations_total") >= 1
+        assert metric(s, "safeserve:requests_lost_total") == 0
+        # the ranks' dispatch counters, as their heartbeats report them: rounds ran, none over
+        # the budget
+        assert metric(s, "safeserve:dispatch_rounds_total") > 0
+        peaks = [
+            float(line.rsplit(" ", 1)[1])
+            for line in httpx.get(s.url + "/metrics").text.splitlines()
+            if line.startswith("safeserve:dispatch_recv_tokens_peak{")
+        ]
+        assert peaks and 0 < max(peaks) <= 4, peaks
+        deadline = time.monotonic() + 90
+        while admin_groups(s)[killed[0]]["state"] != "READY":
+            assert time.monotonic() < deadline, admin_groups(s)[killed[0]]
+            time.sleep(0.2)
+    finally:
+        stop_server(s.proc)
+
+
+async def _stream_all(url: str, model: str, fault) -> list[dict]:  # type: ignore[no-untyped-def]
+    results: list[dict] = [{} for _ in range(N)]
+    started = asyncio.Event()
+    chunks = {"n": 0}
+    groups: set[int] = set()
+
+    async def one(i: int, c: httpx.AsyncClient) -> None:
+        body = {
+            "model": model,
+            "prompt": _prompt(i),
+            "max_tokens": TOKENS,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            "stream": True,
+        }
+        ids: list[int] = []
+        errors: list = []
+        async with c.stream("POST", url + "/v1/completions", json=body) as r:
+            group = int(r.headers["x-safeserve-group"])
+            groups.add(group)
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    errors.append(chunk["error"])
+                    continue
+                ids.extend(chunk["choices"][0].get("token_ids") or [])
+                chunks["n"] += 1
+                if chunks["n"] >= 2 * N:
+                    started.set()
+        results[i] = {"group": group, "ids": ids, "errors": errors}
+
+    async with httpx.AsyncClient(timeout=300) as c:
+        tasks = [asyncio.create_task(one(i, c)) for i in range(N)]
+        await started.wait()
+        fault(groups)
+        await asyncio.gather(*tasks)
+    return results
