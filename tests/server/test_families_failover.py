@@ -1,8 +1,8 @@
 """Every new family through the server's fault paths: two groups of two ranks (`alltoall`) with
 a dispatch budget of 4 rows (prefill sizing then chunks every prompt so that no rank receives
-more in a round); a rank of group 0 SIGKILLed while greedy streams run on both groups. Every request ends with exactly the
-tokens transformers' `generate` gives (float32), nothing lost or repeated, and the group comes
-back."""
+more in a round); a rank of a group holding streams SIGKILLed while greedy streams run. Every
+request ends with exactly transformers' argmax tokens (float32), nothing lost or repeated, and
+the group comes back."""
 
 from __future__ import annotations
 
