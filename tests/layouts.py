@@ -121,6 +121,48 @@ def run_layout(
     return out
 
 
+# Chunked prefill, then decode steps.
+CHUNKS = [5, 6, 1, 1, 3, 1, 1, 1, 1]
+
+
+def layout_reference(checkpoint: Path) -> tuple[list[list[int]], dict[int, torch.Tensor]]:
+    """Three sequences of different lengths (with 4 attention ranks one rank has none) and
+    transformers' float32 logits of every position of each."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (14, 9, 20)]
+    with torch.no_grad():
+        ref = {i: hf(torch.tensor([s])).logits[0] for i, s in enumerate(seqs)}
+    return seqs, ref
+
+
+def assert_layout_matches(
+    checkpoint: Path, name: str, reference: tuple, port: int, chunks: list[int] = CHUNKS
+) -> None:
+    """Layout `name` computes the reference's sequences in `chunks`: the logits of every
+    chunk's last row within 1e-4 of transformers', and no other rows."""
+    seqs, ref = reference
+    got = run_layout(checkpoint, name, seqs, chunks, port)
+    starts = [sum(chunks[:k]) for k in range(len(chunks))]
+    expected = {
+        (i, min(start + n, len(s)) - 1)
+        for i, s in enumerate(seqs)
+        for start, n in zip(starts, chunks, strict=True)
+        if start < len(s)
+    }
+    assert set(got) == expected
+    for (i, pos), row in got.items():
+        torch.testing.assert_close(
+            row,
+            ref[i][pos],
+            atol=1e-4,
+            rtol=0,
+            msg=lambda m, i=i, pos=pos: f"{name}: seq {i} pos {pos}: {m}",
+        )
+
+
 @contextmanager
 def _group(world: int, port: int, target, args) -> Iterator[mp.Queue]:  # type: ignore[no-untyped-def]
     """`world` spawned processes running target(*args(rank, init, queue)), rendezvous on

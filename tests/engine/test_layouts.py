@@ -6,46 +6,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from layouts import LAYOUTS, run_layout
+from layouts import LAYOUTS, assert_layout_matches, layout_reference
 from serving import free_port
-from transformers import AutoModelForCausalLM
 
 
 @pytest.fixture(scope="module")
 def reference(checkpoint: Path):
-    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    gen = torch.Generator().manual_seed(5)
-    # Three sequences of different lengths: with 4 attention ranks one rank has none.
-    seqs = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (14, 9, 20)]
-    with torch.no_grad():
-        ref = {i: hf(torch.tensor([s])).logits[0] for i, s in enumerate(seqs)}
-    return seqs, ref
+    return layout_reference(checkpoint)
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_layout_logits_match_transformers(checkpoint: Path, reference, name: str) -> None:
-    seqs, ref = reference
-    chunks = [5, 6, 1, 1, 3, 1, 1, 1, 1]  # chunked prefill, then decode steps
-    got = run_layout(checkpoint, name, seqs, chunks, free_port())
-    expected_rows = sum(
-        len(
-            {
-                min(sum(chunks[: k + 1]), len(s)) - 1
-                for k in range(len(chunks))
-                if sum(chunks[:k]) < len(s)
-            }
-        )
-        for s in seqs
-    )
-    assert len(got) == expected_rows
-    for (i, pos), row in got.items():
-        torch.testing.assert_close(
-            row,
-            ref[i][pos],
-            atol=1e-4,
-            rtol=0,
-            msg=lambda m, i=i, pos=pos: f"seq {i} pos {pos}: {m}",
-        )
+    assert_layout_matches(checkpoint, name, reference, free_port())
 
 
 def test_alltoall_graph_steps_dispatch_as_none_with_the_same_result() -> None:
