@@ -12,8 +12,10 @@ rounding.
 Heads are split across the attention-TP ranks (q_b/q and kv_b rows by head, o columns by head,
 one all-reduce); the latent projections (q_a, kv_a and their norms) are replicated, so every
 rank stores the same cache. `kv_b_proj` keeps its weight as loaded; the absorbed matrices are
-views of it, taken in the forward. `attend` runs the MLA kernels over the latent cache on CUDA
-(`safeserve.kernels.mla_attention`, in CUDA graphs too) and per-sequence SDPA elsewhere.
+views of it, taken in the forward. The cache entry (normed latent, rotated rope key, stored at the token's slot) and the
+latent-space query are built by `safeserve.kernels.mla_prepare` (two launches on CUDA); `attend`
+runs the MLA kernels over the latent cache on CUDA (`safeserve.kernels.mla_attention`, in CUDA
+graphs too) and per-sequence SDPA elsewhere.
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from safeserve.kernels import norm_rope as nr
 from safeserve.kernels.linear import linear
+from safeserve.kernels.mla_prepare import latent_query, store_latent_entry
 from safeserve.layers.linear import fuse_linears
 from safeserve.layers.norm import RMSNorm
 from safeserve.layers.paged_attention import AttentionMetadata, attend
@@ -32,42 +34,6 @@ from safeserve.parallel.comm import Comm
 # transformers builds `q_a_layernorm` and `kv_a_layernorm` with RMSNorm's default eps, not the
 # config's `rms_norm_eps`.
 LATENT_NORM_EPS = 1e-6
-
-
-def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D] whose rotary pairs are interleaved (x0, x1), (x2, x3), ...; cos/sin
-    [T, D] in the rotate-half layout (each frequency twice). The output is de-interleaved (the
-    rotated evens, then the rotated odds), as transformers' `apply_rotary_pos_emb_interleave`
-    returns it: queries and cached keys share the layout, so their products are the same."""
-    half = cos.shape[-1] // 2
-    c, s = cos[:, None, :half], sin[:, None, :half]
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
-
-
-def store_latent(entry: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
-    """entry [T, D] into cache [slots, 1, D] at `slots` [T] (-1: nowhere; int32 as the decode
-    graphs' static inputs hold them, or int64)."""
-    if entry.shape[0] == 0:
-        return
-    slots = slots.long()  # index_copy_ takes int64 indices only
-    entry = entry.to(cache.dtype)[:, None, :]
-    if not cache.is_cuda:
-        rows = (slots >= 0).nonzero().squeeze(1)
-        cache.index_copy_(0, slots[rows], entry[rows])
-        return
-    store_latent_no_sync(entry, cache, slots)
-
-
-def store_latent_no_sync(entry: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
-    """`store_latent` without a host synchronisation (CUDA; any device): entry [T, 1, D]. Rows
-    with slot -1 write, to the largest slot of the step, the value its own row writes there (so
-    duplicate writes agree); with no valid row at all, slot 0 gets its own content back."""
-    valid = slots >= 0
-    top, row = slots.max(0)
-    target = torch.where(valid, slots, top.clamp(min=0))
-    fill = torch.where(top >= 0, entry.index_select(0, row.view(1)), cache[0:1])
-    cache.index_copy_(0, target, torch.where(valid[:, None, None], entry, fill))
 
 
 class MLAttention(nn.Module):
@@ -139,11 +105,6 @@ class MLAttention(nn.Module):
             q_a, kv = self.q_a_proj(x), self.kv_a_proj_with_mqa(x)
         return self.q_b_proj(self.q_a_layernorm(q_a)), kv
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        if self.rope_interleave:
-            return apply_rope_interleaved(x, cos, sin)
-        return nr.apply_rope(x, cos, sin)
-
     def forward(
         self,
         x: torch.Tensor,
@@ -155,14 +116,16 @@ class MLAttention(nn.Module):
         t, heads, lat = x.shape[0], self.num_heads, self.kv_lora_rank
         q, kv = self._project(x)
         q_nope, q_pe = q.view(t, heads, self.nope + self.rope).split([self.nope, self.rope], -1)
-        latent = self.kv_a_layernorm(kv[:, :lat])
-        k_pe = self._rotate(kv[:, None, lat:], cos, sin)  # [T, 1, rope]
-        store_latent(torch.cat([latent, k_pe[:, 0]], dim=-1), kv_cache[0], meta.slot_mapping)
+        norm = self.kv_a_layernorm
+        store_latent_entry(
+            kv, norm.weight, norm.eps, cos, sin, self.rope_interleave, kv_cache[0],
+            meta.slot_mapping,
+        )  # fmt: skip
         # kv_b_proj rows by head: nope key rows (W_UK) then value rows (W_UV), [lat] columns.
         w = self.kv_b_proj.weight.view(heads, self.nope + self.v_dim, lat)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, heads, lat]
-        query = torch.cat([q_latent, self._rotate(q_pe, cos, sin)], dim=-1)
+        query = latent_query(q_latent, q_pe, cos, sin, self.rope_interleave)
         out = attend(query, kv_cache, meta, self.scale)  # [T, heads, lat]
         out = torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2))  # [heads, T, v]
         out = linear(out.transpose(0, 1).reshape(t, heads * self.v_dim), self.o_proj.weight)

@@ -108,6 +108,7 @@ def _launch_everything(capability: int, shared: int) -> None:
     from safeserve.kernels import fused_moe as fm
     from safeserve.kernels import linear as lin
     from safeserve.kernels import mla_attention as mla
+    from safeserve.kernels import mla_prepare as mp
     from safeserve.kernels import moe_config as mc
     from safeserve.kernels import norm_rope as nr
     from safeserve.kernels import paged_attention as pa
@@ -193,6 +194,19 @@ def _launch_everything(capability: int, shared: int) -> None:
             latent,
             torch.empty(40, mla_heads, latent, dtype=dtype),
         )
+    for dtype in (bf16, torch.float32):  # MLA cache entry and latent query, both RoPE layouts
+        cache = torch.empty(64, 1, 576, dtype=dtype)
+        for t in (1, mp.LATENT_BLOCK_MIN_TOKENS):
+            for interleave in (True, False):
+                cos, sin = torch.empty(t, 64, dtype=dtype), torch.empty(t, 64, dtype=dtype)
+                mp.store_latent_entry(
+                    torch.empty(t, 576, dtype=dtype), torch.empty(512, dtype=dtype), 1e-6, cos,
+                    sin, interleave, cache, torch.zeros(t, dtype=torch.int32),
+                )  # fmt: skip
+                mp.latent_query(
+                    torch.empty(16, t, 512, dtype=dtype).transpose(0, 1),
+                    torch.empty(t, 16, 192, dtype=dtype)[..., 128:], cos, sin, interleave,
+                )  # fmt: skip
     for n_out, n_in in ((5120, 2048), (2048, 4096)):  # q|k|v and o_proj at their plans
         for dtype in (bf16, torch.float32):
             lin.linear(torch.empty(1, n_in, dtype=dtype), torch.empty(n_out, n_in, dtype=dtype))

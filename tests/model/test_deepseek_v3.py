@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, DeepseekV3Config
 
 from safeserve.engine.kv_cache import KVCache
-from safeserve.layers.mla import store_latent, store_latent_no_sync
+from safeserve.kernels.mla_prepare import store_rows, store_rows_no_sync
 from safeserve.layers.paged_attention import AttentionMetadata
 from safeserve.layers.rotary import RotaryEmbedding
 from safeserve.model.config import ModelConfigError
@@ -281,8 +281,8 @@ def test_store_without_host_sync_skips_minus_one_slots() -> None:
         entry = torch.randn(len(slots), 6, generator=gen)
         base = torch.randn(9, 1, 6, generator=gen)
         want, got = base.clone(), base.clone()
-        store_latent(entry, want, s)
-        store_latent_no_sync(entry[:, None, :], got, s)
+        store_rows(entry, want, s)
+        store_rows_no_sync(entry[:, None, :], got, s)
         assert torch.equal(got, want), slots
         untouched = [i for i in range(9) if i not in slots]
         assert torch.equal(got[untouched], base[untouched])
@@ -296,8 +296,8 @@ def test_store_takes_the_decode_graphs_int32_slots() -> None:
     entry = torch.randn(4, 6, generator=gen)
     base = torch.randn(9, 1, 6, generator=gen)
     want, got = base.clone(), base.clone()
-    store_latent(entry, want, slots)
-    store_latent(entry, got, slots.to(torch.int32))
+    store_rows(entry, want, slots)
+    store_rows(entry, got, slots.to(torch.int32))
     assert torch.equal(got, want)
     assert not torch.equal(got, base)
 
