@@ -5,7 +5,8 @@ selection restricted to the best `topk_group` of `n_group` expert groups (a grou
 sum of its two best experts), a per-expert correction bias that steers the choice but not the
 weights, and a scaling factor of the routed output. Softmax routing without groups, bias or
 scaling runs as one Triton launch on CUDA (`safeserve.kernels.router_topk`); every other
-configuration runs the torch path below on any device.
+configuration runs the router GEMM, then the grouped top-k kernel on CUDA
+(`safeserve.kernels.grouped_topk`), or the torch path below elsewhere.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from safeserve.kernels.grouped_topk import fused_grouped_topk, grouped_topk_torch
 from safeserve.kernels.topk_softmax import skew_ids, softmax_topk
 
 __all__ = ["RouterConfig", "Router", "TopKOutput", "grouped_topk", "skew_ids", "softmax_topk"]
@@ -60,29 +62,19 @@ def grouped_topk(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scores (softmax or sigmoid, float32), the choice among the best `topk_group` groups by
     score + bias, weights from the unbiased scores (renormalized, scaled). As transformers'
-    DeepSeek-V3 router does it."""
-    logits = router_logits.float()
-    if cfg.scoring == "sigmoid":
-        scores = logits.sigmoid()
-    else:
-        scores = F.softmax(logits, dim=-1, dtype=torch.float32)
-    choice = scores if bias is None else scores + bias.float()[None, :]
-    if cfg.n_group > 1:
-        t, e = choice.shape
-        grouped = choice.view(t, cfg.n_group, e // cfg.n_group)
-        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
-        keep = torch.topk(group_scores, cfg.topk_group, dim=-1, sorted=False)[1]
-        mask = torch.zeros_like(group_scores).scatter_(1, keep, 1.0)
-        mask = mask.unsqueeze(-1).expand(t, cfg.n_group, e // cfg.n_group).reshape(t, e)
-        # -inf, not 0: sigmoid scores plus a negative bias are below 0, and a dropped
-        # group's expert must never win over a kept one (transformers masks with -inf).
-        choice = choice.masked_fill(mask == 0, float("-inf"))
-    ids = torch.topk(choice, cfg.top_k, dim=-1, sorted=False)[1]
-    weights = scores.gather(1, ids)
-    if cfg.renormalize:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    weights = weights * cfg.routed_scaling_factor
-    return weights.to(out_dtype), ids
+    DeepSeek-V3 router does it (`safeserve.kernels.grouped_topk.grouped_topk_torch`: the CPU
+    path and the oracle of the kernel that routes these configurations on CUDA)."""
+    return grouped_topk_torch(
+        router_logits,
+        cfg.top_k,
+        cfg.renormalize,
+        cfg.scoring,
+        cfg.n_group,
+        cfg.topk_group,
+        bias,
+        cfg.routed_scaling_factor,
+        out_dtype,
+    )
 
 
 class Router(torch.nn.Module):
@@ -149,6 +141,23 @@ class Router(torch.nn.Module):
             logits = F.linear(hidden_states.float(), self.weight.float())
         else:
             logits = F.linear(hidden_states, self.weight)
+        if hidden_states.is_cuda:
+            # Triton: the grouped / biased / scaled top-k, the skew and the id mapping.
+            cfg = self.cfg
+            weights, ids = fused_grouped_topk(
+                logits,
+                cfg.top_k,
+                cfg.renormalize,
+                cfg.scoring,
+                cfg.n_group,
+                cfg.topk_group,
+                self.e_score_correction_bias,
+                cfg.routed_scaling_factor,
+                hidden_states.dtype,
+                self.logical_to_physical,
+                skew=self.skew,
+            )
+            return TopKOutput(ids, weights, logits)
         if self.cfg.plain_softmax:
             weights, logical_ids = softmax_topk(
                 logits, self.top_k, self.renormalize, hidden_states.dtype

@@ -106,6 +106,7 @@ def _kernel_paths_on(capability: int, shared: int) -> None:
 
 def _launch_everything(capability: int, shared: int) -> None:
     from safeserve.kernels import fused_moe as fm
+    from safeserve.kernels import grouped_topk as gt
     from safeserve.kernels import linear as lin
     from safeserve.kernels import mla_attention as mla
     from safeserve.kernels import mla_prepare as mp
@@ -168,6 +169,27 @@ def _launch_everything(capability: int, shared: int) -> None:
                 dtype,
                 torch.zeros(e, dtype=torch.int64),
                 skew=skew,
+            )
+    # grouped top-k with the correction bias: DeepSeek-V3 (256 experts in 8 groups, float32
+    # logits), Moonlight (64, no groups), 72 experts in groups of 9 (padded to 16), softmax
+    for tokens in (1, 64, 4096):
+        for experts, groups, kept, top_k, scoring, dtype in (
+            (256, 8, 4, 8, "sigmoid", torch.float32),
+            (64, 1, 1, 6, "sigmoid", bf16),
+            (72, 8, 4, 6, "softmax", bf16),
+        ):
+            gt.fused_grouped_topk(
+                torch.empty(tokens, experts, dtype=dtype),
+                top_k,
+                True,
+                scoring,
+                groups,
+                kept,
+                torch.empty(experts, dtype=torch.float32),
+                2.5,
+                bf16,
+                torch.zeros(experts, dtype=torch.int64),
+                skew=torch.zeros(1, dtype=torch.int64),
             )
     for dtype in (bf16, torch.float32):  # MLA over a latent cache (DeepSeek-V3 shapes)
         latent, entry, mla_heads = 512, 576, 16
