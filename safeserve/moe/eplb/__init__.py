@@ -1,1 +1,2 @@
-"""Expert-parallel load balancing: the load statistics (balancedness) it acts on."""
+"""Expert-parallel load balancing: the loads it records (recorder, distribution files), how even
+they are (balancedness) and where physical experts go (algorithm)."""

@@ -1,0 +1,129 @@
+"""How many tokens each physical expert receives, per MoE layer, summed over forward passes.
+
+`record(layer, topk_ids)` adds one layer's routed top-k physical ids to the open pass (a
+scatter-add on the device: no host sync, and safe inside a captured CUDA graph since it writes a
+persistent buffer in place); `end_pass()` closes the pass. Passes closed while `enabled` is False
+(warm-up, graph capture) are dropped. The balancedness of the last 10/100/1000 counted passes is
+computed on request from per-rank loads kept on the device, with the formula and windows of
+`balancedness.BalancednessRecorder`.
+
+A rank counts the ids it records; a group-wide distribution is the sum of its ranks' dumps.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from safeserve.moe.eplb.balancedness import WINDOWS, BalancednessRecorder
+
+
+class ExpertDistributionRecorder:
+    """Token counts per (layer, physical expert); physical slot p lives on rank p // slots_per_rank."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_physical_experts: int,
+        slots_per_rank: int,
+        device: torch.device | str = "cpu",
+        *,
+        enabled: bool = True,
+    ) -> None:
+        if num_layers < 1 or num_physical_experts < 1:
+            raise ValueError(
+                f"need >= 1 layer and expert, got {num_layers} layers, "
+                f"{num_physical_experts} physical experts"
+            )
+        if slots_per_rank < 1 or num_physical_experts % slots_per_rank:
+            raise ValueError(
+                f"{num_physical_experts} physical experts cannot be split into ranks of "
+                f"{slots_per_rank} slots"
+            )
+        self.num_layers = num_layers
+        self.num_physical_experts = num_physical_experts
+        self.slots_per_rank = slots_per_rank
+        self.num_ranks = num_physical_experts // slots_per_rank
+        self.enabled = enabled
+        shape = (num_layers, num_physical_experts)
+        self._pass = torch.zeros(shape, dtype=torch.int64, device=device)
+        self._counts = torch.zeros(shape, dtype=torch.int64, device=device)
+        # per-rank loads of the last max(WINDOWS) counted passes, a ring indexed by pass number
+        self._rank_loads = torch.zeros(
+            max(WINDOWS), num_layers, self.num_ranks, dtype=torch.int64, device=device
+        )
+        self._passes = 0
+        self._balance = BalancednessRecorder()
+        self._balance_passes = 0  # passes already folded into _balance
+
+    @property
+    def passes(self) -> int:
+        """Counted passes since the last reset."""
+        return self._passes
+
+    def record(self, layer: int, topk_ids: torch.Tensor) -> None:
+        """Adds one layer's routed physical expert ids (any shape; -1 = not routed) to the pass."""
+        ids = topk_ids.reshape(-1).to(torch.int64)
+        routed = (ids >= 0).to(torch.int64)
+        self._pass[layer].scatter_add_(0, ids.clamp(min=0), routed)
+
+    def end_pass(self) -> None:
+        """Closes the open pass: counted when enabled, dropped otherwise."""
+        if self.enabled:
+            self._counts += self._pass
+            loads = self._pass.view(self.num_layers, self.num_ranks, self.slots_per_rank).sum(-1)
+            self._rank_loads[self._passes % len(self._rank_loads)].copy_(loads)
+            self._passes += 1
+        self._pass.zero_()
+
+    def discard_pass(self) -> None:
+        """Drops the open pass (a step that is not traffic)."""
+        self._pass.zero_()
+
+    def dump(self) -> torch.Tensor:
+        """[num_layers, num_physical_experts] tokens per physical expert over the counted passes."""
+        return self._counts.clone()
+
+    def window_means(self) -> dict[int, float]:
+        """Mean balancedness over the last w counted passes (fewer while fewer ran), per window.
+
+        One host copy of the passes closed since the previous call.
+        """
+        new = self._passes - self._balance_passes
+        ring = len(self._rank_loads)
+        first = self._passes - min(new, ring)
+        if first < self._passes:
+            slots = [p % ring for p in range(first, self._passes)]
+            for per_layer in self._rank_loads[slots].tolist():
+                for loads in per_layer:
+                    self._balance.record_layer(loads)
+                self._balance.end_pass()
+        self._balance_passes = self._passes
+        return self._balance.window_means()
+
+    def reset(self) -> None:
+        """Forgets every pass, counted or open."""
+        self._pass.zero_()
+        self._counts.zero_()
+        self._rank_loads.zero_()
+        self._passes = 0
+        self._balance.clear()
+        self._balance_passes = 0
+
+
+def physical_to_logical_counts(
+    physical_count: torch.Tensor, physical_to_logical: torch.Tensor, num_logical_experts: int
+) -> torch.Tensor:
+    """[L, E] tokens per logical expert from [L, P] per physical slot: the sum over its replicas."""
+    if physical_count.dim() != 2 or physical_count.shape != physical_to_logical.shape:
+        raise ValueError(
+            f"physical counts {tuple(physical_count.shape)} and physical_to_logical "
+            f"{tuple(physical_to_logical.shape)} must both be [num_layers, num_physical_experts]"
+        )
+    index = physical_to_logical.to(physical_count.device, torch.int64)
+    out = torch.zeros(
+        physical_count.size(0),
+        num_logical_experts,
+        dtype=physical_count.dtype,
+        device=physical_count.device,
+    )
+    return out.scatter_add_(1, index, physical_count)
