@@ -166,8 +166,8 @@ class Router(torch.nn.Module):
             weights, logical_ids = grouped_topk(
                 logits, self.cfg, self.e_score_correction_bias, hidden_states.dtype
             )
-        if self._skew_expert is not None or hidden_states.is_cuda:
-            # Fault injection (on CUDA read from the device tensor: graphs follow it): every token picks the experts starting at one (the worst skew),
+        if self._skew_expert is not None:
+            # Fault injection: every token picks the experts starting at one (the worst skew),
             # as the kernels do it.
             logical_ids = skew_ids(logical_ids, self.skew, logits.shape[-1])
         return TopKOutput(self.logical_to_physical[logical_ids], weights, logits)
