@@ -274,6 +274,11 @@ class ServerArgs:
             raise ConfigError("--max-model-len must be at least 2")
         if not 0.0 < self.mem_fraction_static <= 1.0:
             raise ConfigError("--mem-fraction-static must be in (0, 1]")
+        for name in ("kv_cache_memory_gb", "dispatch_memory_gb", "watchdog_slow_factor"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be positive")
+        if not self.watchdog_slow_window_s >= 0:
+            raise ConfigError("--watchdog-slow-window-s must be >= 0")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be in 0..65535 (0: any free port), got {self.port}")
         if not 0 <= self.admin_port_effective <= 65535:
