@@ -12,6 +12,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "safeserve"
 # Lowest first; a unit may import units of lower tiers only (and itself).
 TIERS: list[set[str]] = [
     {"config", "messages", "ports"},  # flags, cross-process messages, plain helpers
+    {"policy"},  # guard policy presets (TOML files of flags)
     {"kernels", "parallel", "guards", "config_cli"},  # Triton kernels; rank layout and comms
     {"layers", "moe"},  # the model families' building blocks; the MoE stages
     {"model"},  # families, registry, loader
