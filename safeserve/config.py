@@ -203,6 +203,13 @@ class ServerArgs:
         "guards",
         choices=PREFILL_SIZINGS,
     )
+    guard_policy: str | None = _flag(
+        None,
+        "Guard policy preset: a TOML file of guard, scheduler and watchdog flags (as `safeserve "
+        "plan --write-policy` writes; format in guards/README.md). Its values fill every flag not "
+        "given on the command line (flags given win); one INFO line lists what it set.",
+        "guards",
+    )
 
     # -- health --------------------------------------------------------------------------------
     heartbeat_interval_s: float = _flag(0.25, "Period of every rank's heartbeat.", "health")

@@ -1,16 +1,45 @@
 """The command line of `ServerArgs` (`safeserve.config`): an argparse group per flag group,
 built from the dataclass fields (their help, group, choices and environment variable), and the
-validated instance back from the parsed namespace; and the check of a command's output file."""
+validated instance back from the parsed namespace (a `--guard-policy` preset filling the flags
+not given); and the check of a command's output file."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 from pathlib import Path
 from typing import Any
 
-from safeserve.config import ServerArgs
+from safeserve.config import ConfigError, ServerArgs
+from safeserve.policy import read_policy
+
+logger = logging.getLogger(__name__)
+
+# The namespace attribute naming the ServerArgs fields given on the command line.
+EXPLICIT = "_explicit_server_args"
+
+
+def _mark(namespace: argparse.Namespace, dest: str) -> None:
+    explicit = set(getattr(namespace, EXPLICIT, ()))
+    explicit.add(dest)
+    setattr(namespace, EXPLICIT, explicit)
+
+
+class _Store(argparse._StoreAction):
+    """`store`, remembering that the flag was given (even at its default value)."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
+        super().__call__(parser, namespace, values, option_string)
+        _mark(namespace, self.dest)
+
+
+class _StoreTrue(argparse._StoreTrueAction):
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
+        super().__call__(parser, namespace, values, option_string)
+        _mark(namespace, self.dest)
+
 
 _TITLES = {
     "model": "model",
@@ -41,10 +70,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         if meta.get("env"):
             help_text += f" Also read from ${meta['env']}."
         if f.type in ("bool", bool):
-            g.add_argument(flag, action="store_true", default=default, help=help_text)
+            g.add_argument(flag, action=_StoreTrue, default=default, help=help_text)
             continue
         g.add_argument(
             flag,
+            action=_Store,
             type=_python_type(f.type),
             default=default,
             choices=meta.get("choices"),
@@ -52,8 +82,23 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         )
 
 
+def explicit_flags(ns: argparse.Namespace) -> set[str]:
+    """The ServerArgs fields given on the command line: those the parser saw (at any value,
+    the default included), and any whose value differs from its default (a namespace not made
+    by `add_server_args`' parser)."""
+    given = set(getattr(ns, EXPLICIT, ()))
+    for f in dataclasses.fields(ServerArgs):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if getattr(ns, f.name, default) != default:
+            given.add(f.name)
+    return given
+
+
 def server_args_from(ns: argparse.Namespace) -> ServerArgs:
-    """The ServerArgs of a parsed namespace; a flag left unset takes its environment variable."""
+    """The ServerArgs of a parsed namespace. A flag left unset takes its value from the
+    `--guard-policy` preset, if it sets one, else its environment variable, else its default;
+    a flag given on the command line always wins. ConfigError (one line) for a bad preset or
+    flag. With a preset, logs one INFO line: what it set, and what flags overrode."""
     kwargs: dict[str, Any] = {}
     for f in dataclasses.fields(ServerArgs):
         value = getattr(ns, f.name)
@@ -61,7 +106,34 @@ def server_args_from(ns: argparse.Namespace) -> ServerArgs:
         if value is None and env and os.environ.get(env):
             value = os.environ[env]
         kwargs[f.name] = value
-    return ServerArgs(**kwargs)
+    path = kwargs.get("guard_policy")
+    if not path:
+        return ServerArgs(**kwargs)
+    preset = read_policy(path)
+    given = explicit_flags(ns)
+    applied = {k: v for k, v in preset.items() if k not in given}
+    overridden = {k: v for k, v in preset.items() if k in given}
+    kwargs.update(applied)
+    try:
+        args = ServerArgs(**kwargs)
+    except ConfigError as e:
+        raise ConfigError(f"{e} (with --guard-policy {path})") from None
+    logger.info("%s", policy_line(path, applied, overridden, kwargs))
+    return args
+
+
+def policy_line(
+    path: str, applied: dict[str, Any], overridden: dict[str, Any], final: dict[str, Any]
+) -> str:
+    """The INFO line of an applied preset."""
+    line = f"guard policy {path} set " + (
+        ", ".join(f"{k}={v!r}" for k, v in applied.items()) if applied else "nothing"
+    )
+    if overridden:
+        line += "; flags given overrode " + ", ".join(
+            f"{k} (preset {v!r}, flag {final[k]!r})" for k, v in overridden.items()
+        )
+    return line
 
 
 def _python_type(annotation: Any) -> type:
