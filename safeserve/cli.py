@@ -1,4 +1,4 @@
-"""`safeserve serve`, `bench`, `chaos`, `oncall` and `tokenizer` (and, when it lands, `group`)."""
+"""`safeserve serve`, `bench`, `chaos`, `oncall`, `plan` and `tokenizer` (and, when it lands, `group`)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from safeserve.chaos.cli import add_chaos_args
 from safeserve.config import TINY_MODEL, ConfigError
 from safeserve.config_cli import add_server_args, server_args_from
 from safeserve.oncall.cli import add_oncall_args
+from safeserve.plan.cli import add_plan_args, run_plan
 
 
 def _serve(ns: argparse.Namespace) -> int:
@@ -187,6 +188,10 @@ def _oncall(ns: argparse.Namespace) -> int:
     return oncall_main(ns)
 
 
+def _plan(ns: argparse.Namespace) -> int:
+    return run_plan(ns)
+
+
 def _bench(ns: argparse.Namespace) -> int:
     from safeserve.bench import main as bench_main
 
@@ -220,6 +225,12 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     )
     add_oncall_args(oncall)
     oncall.set_defaults(func=_oncall)
+    plan = sub.add_parser(
+        "plan",
+        help="size a deployment (layout, KV cache, dispatch budget, TPOT) from a model's config",
+    )
+    add_plan_args(plan)
+    plan.set_defaults(func=_plan)
     tok = sub.add_parser(
         "tokenizer",
         help="write a model's tokenizer as Hugging Face files (AutoTokenizer.from_pretrained)",

@@ -53,10 +53,13 @@ _TITLES = {
 }
 
 
-def add_server_args(parser: argparse.ArgumentParser) -> None:
-    """Every ServerArgs field as a `--flag`, in its group, with its default in the help."""
+def add_server_args(parser: argparse.ArgumentParser, only: set[str] | None = None) -> None:
+    """Every ServerArgs field (or those named in `only`) as a `--flag`, in its group, with its
+    default in the help."""
     groups: dict[str, argparse._ArgumentGroup] = {}
     for f in dataclasses.fields(ServerArgs):
+        if only is not None and f.name not in only:
+            continue
         meta = f.metadata
         gname = meta["group"]
         if gname not in groups:

@@ -185,12 +185,20 @@ def run_engine(args: ServerArgs, opts: BenchOptions, ceiling: float) -> tuple[di
             f"step {point['decode_step_ms']:.2f} ms = {point['step_over_floor']:.2f}x floor"
         )
     probe.remove()
+    params = {id(p): p for p in runner.model.parameters()}.values()
     info = {
+        "weights_bytes": sum(p.numel() * p.element_size() for p in params),
+        "device_memory_bytes": (
+            torch.cuda.mem_get_info(runner.device)[1] if runner.device.type == "cuda" else None
+        ),
         "dense_bytes": sizes.dense,
         "expert_bytes": sizes.expert,
         "kv_bytes_per_token": sizes.kv_token,
         "cuda_graphs": runner.cuda_graphs is not None,
         "num_kv_blocks": runner.num_blocks,
+        "dispatch_budget_tokens": (
+            runner.buffers.max_recv_tokens if runner.buffers is not None else None
+        ),
         "max_model_len": runner.max_model_len,
     }
     return {"points": points, "model_bytes": info}, runner

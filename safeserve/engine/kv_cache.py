@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from safeserve.engine.request import Request
+from safeserve.guards.sizing import gpu_kv_budget, kv_blocks
 from safeserve.model.spec import KVSpec
 
 if TYPE_CHECKING:
@@ -135,8 +136,8 @@ def kv_blocks_from_memory(
         # not to the driver's count: hand it back before counting.
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
-        keep = (1 - args.mem_fraction_static) * total
-        budget = free - keep
+        budget = gpu_kv_budget(free, total, args.mem_fraction_static)
+        keep = free - budget
         gib = 2**30
         if budget <= per_block:
             raise RuntimeError(
@@ -145,18 +146,19 @@ def kv_blocks_from_memory(
                 f"{args.mem_fraction_static} keeps {keep / gib:.1f} GiB for activations; "
                 "raise it, or free the device of other processes"
             )
-        blocks = int(budget // per_block)
         logger.info(
             "KV cache from device memory: %.1f GiB free of %.1f after the weights "
-            "(%.1f GiB allocated), %.1f GiB kept (--mem-fraction-static %s): %d blocks",
+            "(%.1f GiB allocated), %.1f GiB kept (--mem-fraction-static %s): %d blocks "
+            "(free %d of %d bytes)",
             free / gib,
             total / gib,
             torch.cuda.memory_allocated(device) / gib,
             keep / gib,
             args.mem_fraction_static,
-            blocks,
+            int(budget // per_block),
+            free,
+            total,
         )
     else:
-        blocks = int(args.kv_cache_memory_gb * (1 << 30) // per_block)
-    per_req = (max_model_len + args.block_size - 1) // args.block_size
-    return max(2, min(blocks, args.max_running_requests * per_req))
+        budget = args.kv_cache_memory_gb * (1 << 30)
+    return kv_blocks(budget, per_block, args.max_running_requests, max_model_len, args.block_size)

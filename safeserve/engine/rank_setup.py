@@ -15,6 +15,7 @@ import torch
 from safeserve.config import ServerArgs
 from safeserve.engine.kv_cache import KVCache, kv_blocks_from_memory
 from safeserve.guards.admission import DispatchBuffers, bytes_per_recv_row
+from safeserve.guards.sizing import dispatch_budget
 from safeserve.messages import DispatchSizing, DispatchStats, GuardSizing, RankStats
 from safeserve.model.config import ModelConfig
 from safeserve.model.loader import DTYPES
@@ -64,9 +65,7 @@ def admission_buffers(
             free_bytes = torch.cuda.mem_get_info(device)[0] // 2
         else:
             free_bytes = int(args.dispatch_memory_gb * (1 << 30))
-        # More than a full step of every attention group's tokens is never received.
-        useful = layout.dp_size * args.max_num_batched_tokens
-        budget = max(1, min(useful, free_bytes // row_bytes))
+        budget = dispatch_budget(free_bytes, row_bytes, layout.dp_size, args.max_num_batched_tokens)
     budget = agree_min(budget)
     return DispatchBuffers.allocate(
         budget, cfg.hidden_size, i1 - i0, cfg.num_experts_per_tok, dtype, device

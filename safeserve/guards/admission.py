@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from safeserve.guards.sizing import recv_row_bytes
+
 # Received rows per round on one rank, planned per (source, destination) pair:
 # rounds[r][s][d] = (start, stop) within the rows source s sends to destination d.
 RoundPlan = list[list[list[tuple[int, int]]]]
@@ -69,11 +71,8 @@ def plan_token_rounds(per_rank: list[int], budget: int) -> list[list[tuple[int, 
 def bytes_per_recv_row(
     hidden: int, moe_width: int, top_k: int, local_experts: int, dtype: torch.dtype
 ) -> int:
-    """Memory one received row may need: the row, its routing, its output, and the expert
-    intermediates of its (at most `min(top_k, local_experts)`) local choices."""
-    pairs = min(top_k, local_experts)
-    elt = dtype.itemsize
-    return elt * (2 * hidden) + 8 * top_k + pairs * elt * (3 * moe_width + hidden)
+    """Memory one received row may need (`sizing.recv_row_bytes` at the dtype's size)."""
+    return recv_row_bytes(hidden, moe_width, top_k, local_experts, dtype.itemsize)
 
 
 @dataclass

@@ -77,9 +77,9 @@ def expert_split(cfg: ModelConfig, layout: Layout) -> tuple[ExpertPlacement, int
 # -- spec pieces ---------------------------------------------------------------------------------
 
 
-def whole(shape: tuple[int, ...], source: str) -> WeightSpec:
-    """A replicated parameter."""
-    return WeightSpec(shape, Slice(), source)
+def whole(shape: tuple[int, ...], source: str, float32: bool = False) -> WeightSpec:
+    """A replicated parameter (`float32`: held in float32 whatever the model's dtype)."""
+    return WeightSpec(shape, Slice(), source, float32)
 
 
 def embedding_specs(cfg: ModelConfig, hf: str = "model.") -> WeightSpecs:

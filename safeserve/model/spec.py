@@ -77,6 +77,9 @@ class WeightSpec:
     shape: tuple[int, ...]
     piece: Slice | ExpertSlice
     source: str | ExpertSource
+    # Held in float32 whatever the model's dtype (DeepSeek-V3's router, as transformers keeps
+    # it; the router module casts it so, and the planner counts its bytes so).
+    float32: bool = False
 
 
 WeightSpecs = dict[str, WeightSpec]

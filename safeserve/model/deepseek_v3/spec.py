@@ -223,10 +223,10 @@ def weight_specs(cfg: ModelConfig, layout: Layout) -> WeightSpecs:
         if not cfg.is_moe_layer(i):
             specs |= dense_mlp_specs(cfg, layout, ours + "mlp.", hf + "mlp.")
             continue
-        gate = "mlp.gate."
-        specs[ours + gate + "weight"] = whole((e, h), hf + gate + "weight")
+        gate = "mlp.gate."  # in float32, as the router's GEMM (`router_config`: logits_fp32)
+        specs[ours + gate + "weight"] = whole((e, h), hf + gate + "weight", float32=True)
         specs[ours + gate + "e_score_correction_bias"] = whole(
-            (e,), hf + gate + "e_score_correction_bias"
+            (e,), hf + gate + "e_score_correction_bias", float32=True
         )
         specs |= routed_expert_specs(cfg, layout, ours + "mlp.experts.", hf + "mlp.experts.")
         if cfg.n_shared_experts:

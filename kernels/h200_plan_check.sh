@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One device call on one H200 for `safeserve plan`'s calibration and its check: `safeserve bench`
+# (dummy weights, bf16, 512-token prompts, 64 out) on the Qwen3-30B-A3B shape at every batch size
+# 1-64 (the calibration run), on the same shape with 24 layers (a config the calibration does not
+# see), and on the Moonlight and Mixtral shapes. Bench JSON and full logs (the ranks' KV-sizing
+# lines) land in $OUT; `python kernels/calibrate_plan.py` fits and checks from them.
+#   usage: kernels/h200_plan_check.sh [qwen3|all]
+set -u -o pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/safeserve-out}
+mkdir -p "$OUT"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+fi
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
+date -u +%F | tee -a "$OUT/gpu.txt"
+bench() {  # name, config dir, concurrency, extra flags
+  timeout "${BENCH_TIMEOUT:-200}" python3 -m safeserve.cli bench --model "kernels/configs/$2" \
+    --load-format dummy --device cuda --dtype bfloat16 --concurrency "$3" \
+    --input-len 512 --output-len 64 --json "$OUT/bench_$1.json" "${@:4}" \
+    >"$OUT/bench_$1.log" 2>&1
+  echo "== $1 rc=$?"
+  grep -E "KV cache from device memory|step .* floor|read ceiling" "$OUT/bench_$1.log" | cut -c1-220
+}
+bench qwen3 qwen3-30b-a3b 1,2,4,8,16,32,64
+bench qwen3_24l qwen3-30b-a3b-24-layers 1,2,4,8,16,32,64
+if [ "${1:-all}" = all ]; then
+  bench moonlight moonlight-16b-a3b 1,8,64 --max-model-len 4096
+  bench mixtral mixtral-8x7b 1,8,64 --max-model-len 4096
+fi

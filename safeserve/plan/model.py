@@ -1,0 +1,87 @@
+"""What a model weighs and what a decode step reads, from its config alone (no torch, no weights).
+
+Sizes come from the family's weight specification (`model/spec.py`): the shape of every
+parameter a rank holds under a layout. The loader and the benchmark's floor read the same
+specification, so these numbers equal what a rank allocates (`tests/plan` checks them against a
+built model of every family).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from safeserve.model.config import ModelConfig
+from safeserve.model.registry import kv_spec, weight_specs
+from safeserve.model.spec import ExpertSlice, Slice, WeightSpec
+from safeserve.parallel.layout import Layout
+
+EMBED = "embed_tokens.weight"
+LM_HEAD = "lm_head.weight"
+
+
+def held_numel(spec: WeightSpec) -> int:
+    """Elements of the piece of `spec` a rank holds."""
+    shape = list(spec.shape)
+    piece = spec.piece
+    if isinstance(piece, ExpertSlice):
+        shape[0] = piece.e1 - piece.e0
+        if piece.is_w13:
+            shape[1] = 2 * (piece.i1 - piece.i0)
+        else:
+            shape[2] = piece.i1 - piece.i0
+    elif isinstance(piece, Slice) and piece.dim is not None:
+        shape[piece.dim] = piece.stop - piece.start
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+@dataclass(frozen=True)
+class RankBytes:
+    """One rank's weights under a layout, by part, in bytes."""
+
+    total: int  # every parameter the rank holds
+    dense: int  # every weight but the routed experts and the embedding table (a step reads it)
+    embed_row: int  # one row of the embedding table (a step reads one per token)
+    expert: int  # one routed expert of one layer as the rank holds it (gate, up, down)
+    local_experts: int  # routed experts per MoE layer on this rank
+    kv_token: int  # one token's KV-cache entries over all layers, on this rank
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the planner needs of a model."""
+
+    cfg: ModelConfig
+    itemsize: int
+
+    @property
+    def moe_layers(self) -> int:
+        return sum(1 for i in range(self.cfg.num_hidden_layers) if self.cfg.is_moe_layer(i))
+
+    def rank_bytes(self, layout: Layout) -> RankBytes:
+        specs = weight_specs(self.cfg, layout)
+        total = dense = local = embed_row = 0
+        per_layer: dict[str, int] = {}  # one expert's bytes (w13 + w2), per MoE layer
+        for name, spec in specs.items():
+            n = held_numel(spec) * (4 if spec.float32 else self.itemsize)
+            total += n
+            if isinstance(spec.piece, ExpertSlice):
+                local = spec.piece.e1 - spec.piece.e0
+                layer = name.rsplit(".", 1)[0]
+                per_layer[layer] = per_layer.get(layer, 0) + n // local
+                continue
+            if name == EMBED:
+                embed_row = n // spec.shape[0]
+                if self.tied:
+                    dense += n  # the table is the LM head too: a step reads all of it
+                continue
+            dense += n
+        kv = kv_spec(self.cfg, layout).token_bytes(self.itemsize)
+        expert = max(per_layer.values(), default=0)
+        return RankBytes(total, dense, embed_row, expert, local, kv)
+
+    @property
+    def tied(self) -> bool:
+        return bool(self.cfg.tie_word_embeddings)

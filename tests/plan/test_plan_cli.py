@@ -1,0 +1,130 @@
+"""`safeserve plan` from the command line: its output, and bad input (one line, exit 2; a target
+no layout meets: the best it can do, exit 1)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from plan_cli import ROOT, plan
+
+from safeserve.moe.eplb.distribution import write_expert_distribution
+
+QWEN3 = "kernels/configs/qwen3-30b-a3b"
+
+
+def one_error_line(r: subprocess.CompletedProcess) -> str:
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("safeserve plan: error: "), lines[0]
+    return lines[0]
+
+
+def test_the_table_names_every_layout_and_recommends_one() -> None:
+    r = plan("--model", QWEN3, "--gpu", "h200", "--concurrency", "1,64")
+    assert r.returncode == 0, r.stderr
+    for name in ("8x EP1", "4x EP2 TP-attn", "4x EP2 DP-attn", "1x EP8 DP-attn"):
+        assert name in r.stdout
+    assert "recommended: safeserve serve --tp-size 1 --ep-size 1 --num-groups 8" in r.stdout
+    assert "[plan]" in r.stderr  # progress goes to stderr, the plan to stdout
+
+
+def test_json_for_scripts() -> None:
+    r = plan("--model", QWEN3 + "/config.json", "--gpu", "H200", "--nodes", "2", "-o", "json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    ep16 = next(lp for lp in doc["layouts"] if lp["name"] == "1x EP16 DP-attn")
+    assert ep16["in_node_share"] == 0.5
+    assert {p["concurrency"] for p in ep16["points"]} == {1, 8, 16, 32, 64, 128, 256}
+    assert doc["recommended"] and doc["target_met"] is True
+
+
+def test_an_unmet_target_says_the_best_and_exits_1() -> None:
+    r = plan("--model", QWEN3, "--gpu", "h200", "--concurrency", "64", "--tpot-target-ms", "0.5")
+    assert r.returncode == 1
+    assert "best possible:" in r.stdout
+    assert "no layout meets TPOT 0.5 ms at concurrency 64; the best is" in r.stdout
+
+
+def test_unknown_gpu_lists_the_known(tmp_path: Path) -> None:
+    line = one_error_line(plan("--model", QWEN3, "--gpu", "tpu-v9"))
+    assert "'tpu-v9' is not known; known: h200, h100" in line and "cpu" in line
+
+
+def test_unsupported_family(tmp_path: Path) -> None:
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    r = plan("--model", str(cfg), "--gpu", "h200")
+    assert r.returncode == 2
+    assert "'llama' is not supported" in one_error_line(r)
+
+
+def test_distribution_of_another_model(tmp_path: Path) -> None:
+    path = tmp_path / "dist.json"
+    write_expert_distribution(path, torch.ones(24, 128, dtype=torch.int64))
+    r = plan("--model", QWEN3, "--gpu", "h200", "--expert-distribution", str(path))
+    assert r.returncode == 2
+    assert "num_layers is 24, the model has 48" in one_error_line(r)
+
+
+def test_a_skewed_distribution_reads_fewer_experts(tmp_path: Path) -> None:
+    counts = torch.ones(48, 128, dtype=torch.int64)
+    counts[:, :8] = 10_000  # eight experts take nearly every choice
+    path = tmp_path / "dist.json"
+    write_expert_distribution(path, counts)
+
+    def experts(*extra: str) -> float:
+        r = plan(
+            "--model",
+            QWEN3,
+            "--gpu",
+            "h200",
+            "--gpus-per-node",
+            "1",
+            "--concurrency",
+            "64",
+            "-o",
+            "json",
+            *extra,
+        )
+        assert r.returncode == 0, r.stderr
+        doc = json.loads(r.stdout)
+        return doc["layouts"][0]["points"][0]["experts_per_layer"]
+
+    assert experts() == pytest.approx(128 * (1 - (1 - 8 / 128) ** 64))
+    assert experts("--expert-distribution", str(path)) < 20
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--concurrency", "1,x"], "--concurrency takes comma-separated integers"),
+        (["--concurrency", "0"], "--concurrency takes positive integers"),
+        (["--input-len", "0"], "--input-len and --output-len must be at least 1"),
+        (["--nodes", "0"], "--gpus-per-node and --nodes must be at least 1"),
+        (["--mem-fraction-static", "1.5"], "mem-fraction-static"),
+    ],
+)
+def test_bad_numbers(args: list[str], message: str) -> None:
+    r = plan("--model", QWEN3, "--gpu", "h200", *args)
+    assert r.returncode == 2
+    assert message in one_error_line(r)
+
+
+def test_every_preset_in_guards_is_what_plan_writes_today(tmp_path: Path) -> None:
+    """The shipped presets are reproducible: their header's command writes the same values."""
+    import tomllib
+
+    presets = sorted((ROOT / "guards").glob("*.toml"))
+    assert presets, "guards/ ships presets"
+    for preset in presets:
+        header = preset.read_text().splitlines()[0]
+        assert header.startswith("# Written by: safeserve plan "), preset
+        argv = header.removeprefix("# Written by: safeserve plan ").split()
+        out = tmp_path / preset.name
+        r = plan(*argv, "--write-policy", str(out))
+        assert r.returncode == 0, r.stderr
+        assert tomllib.loads(out.read_text()) == tomllib.loads(preset.read_text()), preset
