@@ -49,6 +49,8 @@ def fit(run: dict, log: str | None, name: str) -> Calibration:
         f"{Path(name).name}: safeserve bench {run['args']['model']} on {run['device']}, "
         f"concurrency {','.join(str(p['concurrency']) for p in run['points'])}"
     )
+    if log is not None:
+        source += f"; runtime_bytes from {Path(log).name}"
     return Calibration(round(ceiling, 1), round(eff, 4), round(layer_us, 2), runtime, source)
 
 
