@@ -15,7 +15,7 @@ from safeserve.model.checkpoint import LoadError, load_model_config
 from safeserve.model.config import ModelConfig, ModelConfigError
 from safeserve.plan.arithmetic import selection_probs
 from safeserve.plan.gpus import PlanError, gpu_names, load_gpu
-from safeserve.plan.model import ModelFacts
+from safeserve.plan.model import KV_CACHE_DTYPES, QUANTIZATIONS, ModelFacts
 from safeserve.plan.planner import (
     MIN_STALL_S,
     STALL_FACTOR,
@@ -78,6 +78,20 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         choices=list(DTYPES),
         help="Weight, activation and KV dtype (default: bfloat16 on GPUs, float32 on cpu).",
+    )
+    g.add_argument(
+        "--quantization",
+        default="none",
+        choices=list(QUANTIZATIONS),
+        help="'fp8': projection weights block-quantized to FP8 (128 x 128 blocks, float32 "
+        "scales), as DeepSeek-V3's checkpoints. Bytes only: serve does not run FP8 yet.",
+    )
+    g.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=list(KV_CACHE_DTYPES),
+        help="'auto': the model's dtype; 'fp8': one byte per element. Bytes only: serve does "
+        "not run an FP8 KV cache yet.",
     )
     g.add_argument("-o", "--output", default="table", choices=("table", "json"))
     g.add_argument(
@@ -164,7 +178,12 @@ def run_plan(ns: argparse.Namespace) -> int:
         gpu = load_gpu(ns.gpu)
         cfg = read_config(ns.model)
         dtype = ns.dtype or ("float32" if gpu.is_cpu else "bfloat16")
-        facts = ModelFacts(cfg, ITEMSIZE[dtype])
+        facts = ModelFacts(
+            cfg,
+            ITEMSIZE[dtype],
+            ns.quantization,
+            1 if ns.kv_cache_dtype == "fp8" else None,
+        )
         if ns.gpus_per_node < 1 or ns.nodes < 1:
             raise PlanError("--gpus-per-node and --nodes must be at least 1")
         work = Workload(
@@ -184,6 +203,11 @@ def run_plan(ns: argparse.Namespace) -> int:
                 raise PlanError("--expert-distribution: the model has no routed experts")
             probs = read_distribution(ns.expert_distribution, facts)
         if ns.write_policy:
+            if ns.quantization != "none" or ns.kv_cache_dtype != "auto":
+                raise PlanError(
+                    "--write-policy: safeserve serve does not run FP8 weights or an FP8 KV cache "
+                    "yet; a preset for them would not size what serve allocates"
+                )
             check_output_file(ns.write_policy, "--write-policy")
     except (PlanError, ConfigError, ModelConfigError, LoadError, ValueError) as e:
         print(f"safeserve plan: error: {e}", file=sys.stderr)
@@ -196,7 +220,10 @@ def run_plan(ns: argparse.Namespace) -> int:
     if ns.output == "json":
         print(json.dumps(to_json(result, gpu, work, ns.model), indent=2))
     else:
-        print(text(result, gpu, work, ns.model, ns.gpus_per_node * ns.nodes))
+        fp8 = (["weights"] if ns.quantization == "fp8" else []) + (
+            ["KV cache"] if ns.kv_cache_dtype == "fp8" else []
+        )
+        print(text(result, gpu, work, ns.model, ns.gpus_per_node * ns.nodes, fp8))
     if ns.write_policy and result.recommended is not None:
         _write(ns, result, facts, gpu, work, dtype)
     if result.recommended is None or not result.target_met:
@@ -216,6 +243,10 @@ def plan_argv(ns: argparse.Namespace) -> list[str]:
         out += ["--dtype", ns.dtype]
     if ns.expert_distribution is not None:
         out += ["--expert-distribution", ns.expert_distribution]
+    if ns.quantization != "none":
+        out += ["--quantization", ns.quantization]
+    if ns.kv_cache_dtype != "auto":
+        out += ["--kv-cache-dtype", ns.kv_cache_dtype]
     defaults = ServerArgs()
     for name in sorted(SIZING_FLAGS):
         value = getattr(ns, name)

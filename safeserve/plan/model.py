@@ -8,6 +8,7 @@ built model of every family).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from safeserve.model.config import ModelConfig
@@ -15,12 +16,15 @@ from safeserve.model.registry import kv_spec, weight_specs
 from safeserve.model.spec import ExpertSlice, Slice, WeightSpec
 from safeserve.parallel.layout import Layout
 
+QUANTIZATIONS = ("none", "fp8")
+KV_CACHE_DTYPES = ("auto", "fp8")
+FP8_BLOCK = 128  # the block of block-quantized FP8 weights (one float32 scale each)
 EMBED = "embed_tokens.weight"
 LM_HEAD = "lm_head.weight"
 
 
-def held_numel(spec: WeightSpec) -> int:
-    """Elements of the piece of `spec` a rank holds."""
+def held_shape(spec: WeightSpec) -> list[int]:
+    """The shape of the piece of `spec` a rank holds."""
     shape = list(spec.shape)
     piece = spec.piece
     if isinstance(piece, ExpertSlice):
@@ -31,10 +35,30 @@ def held_numel(spec: WeightSpec) -> int:
             shape[2] = piece.i1 - piece.i0
     elif isinstance(piece, Slice) and piece.dim is not None:
         shape[piece.dim] = piece.stop - piece.start
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+    return shape
+
+
+def held_numel(spec: WeightSpec) -> int:
+    """Elements of the piece of `spec` a rank holds."""
+    return math.prod(held_shape(spec))
+
+
+def fp8_quantized(name: str, spec: WeightSpec) -> bool:
+    """Whether block-quantized FP8 checkpoints (DeepSeek-V3's, Qwen3's FP8 releases) store this
+    weight in FP8: every projection matrix, not the embedding, LM head, routers or norms."""
+    return (
+        len(spec.shape) >= 2
+        and not spec.float32
+        and name not in (EMBED, LM_HEAD)
+        and not name.endswith("gate.weight")  # the router and Qwen2-MoE's shared-expert gate
+    )
+
+
+def fp8_bytes(shape: list[int]) -> int:
+    """A matrix (or a stack of them) in FP8 with one float32 scale per 128 x 128 block."""
+    *stack, rows, cols = shape
+    blocks = math.ceil(rows / FP8_BLOCK) * math.ceil(cols / FP8_BLOCK)
+    return math.prod(stack) * (rows * cols + 4 * blocks)
 
 
 @dataclass(frozen=True)
@@ -54,7 +78,9 @@ class ModelFacts:
     """What the planner needs of a model."""
 
     cfg: ModelConfig
-    itemsize: int
+    itemsize: int  # weights and activations (bf16: 2)
+    quantization: str = "none"  # "fp8": block-quantized FP8 projection weights
+    kv_itemsize: int | None = None  # None: the model's itemsize; 1: an FP8 KV cache
 
     @property
     def moe_layers(self) -> int:
@@ -65,7 +91,10 @@ class ModelFacts:
         total = dense = local = embed_row = 0
         per_layer: dict[str, int] = {}  # one expert's bytes (w13 + w2), per MoE layer
         for name, spec in specs.items():
-            n = held_numel(spec) * (4 if spec.float32 else self.itemsize)
+            if self.quantization == "fp8" and fp8_quantized(name, spec):
+                n = fp8_bytes(held_shape(spec))
+            else:
+                n = held_numel(spec) * (4 if spec.float32 else self.itemsize)
             total += n
             if isinstance(spec.piece, ExpertSlice):
                 local = spec.piece.e1 - spec.piece.e0
@@ -78,7 +107,7 @@ class ModelFacts:
                     dense += n  # the table is the LM head too: a step reads all of it
                 continue
             dense += n
-        kv = kv_spec(self.cfg, layout).token_bytes(self.itemsize)
+        kv = kv_spec(self.cfg, layout).token_bytes(self.kv_itemsize or self.itemsize)
         expert = max(per_layer.values(), default=0)
         return RankBytes(total, dense, embed_row, expert, local, kv)
 

@@ -377,9 +377,21 @@ def recommend(
 
     fitting = [lp for lp in layouts if at_top(lp).fits]
     if not fitting:
-        best = max(layouts, key=lambda lp: lp.sizing.max_concurrency, default=None)
-        if best is None:
-            return None, ["no layout of these GPUs can hold the model"], False
+        holding = [lp for lp in layouts if lp.sizing.kv_blocks is not None]
+        if not holding:
+            if not layouts:
+                return None, ["no layout of these GPUs can split the model"], False
+            least = min(layouts, key=lambda lp: lp.sizing.weights_bytes)
+            return (
+                None,
+                [
+                    f"the weights do not fit: {least.sizing.weights_bytes / GIB:.1f} GiB per GPU "
+                    f"at the least ({least.candidate.name}) leave no KV cache; plan more GPUs "
+                    "(--nodes, --gpus-per-node) or smaller weights (--quantization fp8)"
+                ],
+                False,
+            )
+        best = max(holding, key=lambda lp: lp.sizing.max_concurrency)
         return (
             best,
             [

@@ -27,11 +27,18 @@ def columns(rows: list[list[str]], right: set[int] | None = None) -> list[str]:
     return out
 
 
-def text(p: Plan, gpu: Gpu, work: Workload, model: str, gpus: int) -> str:
+def text(
+    p: Plan, gpu: Gpu, work: Workload, model: str, gpus: int, fp8: list[str] | None = None
+) -> str:
     lines = [
         f"safeserve plan: {model} on {gpus} x {gpu.description}, "
         f"{work.input_len}+{work.output_len} tokens per request"
     ]
+    if fp8:
+        lines.append(
+            f"FP8 {' and '.join(fp8)}: bytes planned (128 x 128 blocks, float32 scales); "
+            "safeserve serve does not run FP8 yet, and the calibration is bf16's"
+        )
     if gpu.calibration is not None:
         cal = gpu.calibration
         lines.append(
@@ -60,10 +67,16 @@ def text(p: Plan, gpu: Gpu, work: Workload, model: str, gpus: int) -> str:
             f"{s.max_concurrency:,}",
         ]
         for pt in lp.points:
-            row.append(_ms(pt.tpot_ms) + ("" if pt.fits else "!"))
+            if s.kv_blocks is None:
+                row.append("no fit")
+            else:
+                row.append(_ms(pt.tpot_ms) + ("" if pt.fits else "!"))
         rows.append(row)
     lines += columns(rows, right=set(range(1, len(head))))
-    lines.append("(* recommended; ! the KV cache does not hold that concurrency; TPOT in ms)")
+    lines.append(
+        "(* recommended; ! the KV cache does not hold that concurrency; no fit: the weights "
+        "leave no KV cache; TPOT in ms)"
+    )
     for why in p.skipped:
         lines.append(f"left out: {why}")
     rec = p.recommended
@@ -109,10 +122,11 @@ def text(p: Plan, gpu: Gpu, work: Workload, model: str, gpus: int) -> str:
                 f"{pre.chunk} (safe step {pre.safe_step_tokens}, budget {pre.budget})"
             )
     lines.append("")
-    lines.append(
-        ("recommended: " if p.target_met else "best possible: ")
-        + ("" if rec is None else f"safeserve serve {rec.candidate.flags()}")
-    )
+    if rec is None:
+        lines.append("no layout to recommend:")
+    else:
+        verdict = "recommended" if p.target_met else "best possible"
+        lines.append(f"{verdict}: safeserve serve {rec.candidate.flags()}")
     lines += [f"  - {r}" for r in p.reasons]
     return "\n".join(lines)
 

@@ -91,3 +91,23 @@ def test_union_equals_sampled_uniform_routing(tokens: int) -> None:
         len({e for _ in range(tokens) for e in rng.sample(range(128), 8)}) for _ in range(trials)
     )
     assert seen / trials == pytest.approx(union_uniform(128, 8, tokens), rel=0.01)
+
+
+def test_fp8_bytes_by_hand() -> None:
+    from safeserve.model.checkpoint import load_model_config
+    from safeserve.parallel.layout import Layout
+    from safeserve.plan.model import ModelFacts, fp8_bytes
+
+    assert fp8_bytes([256, 384]) == 256 * 384 + 4 * (2 * 3)  # one float32 scale per block
+    assert fp8_bytes([2, 200, 129]) == 2 * (200 * 129 + 4 * (2 * 2))
+    cfg = load_model_config("kernels/configs/qwen3-30b-a3b")
+    bf16 = ModelFacts(cfg, 2).rank_bytes(Layout())
+    fp8 = ModelFacts(cfg, 2, "fp8", 1).rank_bytes(Layout())
+    # one expert: gate|up [1536, 2048] and down [2048, 768], each with its 128 x 128 scales
+    assert fp8.expert == 1536 * 2048 + 4 * 12 * 16 + 2048 * 768 + 4 * 16 * 6
+    assert bf16.expert == 2 * (1536 * 2048 + 2048 * 768)
+    assert fp8.embed_row == bf16.embed_row  # the embedding stays in the model's dtype
+    assert fp8.kv_token == bf16.kv_token // 2
+    # the LM head and the routers stay bf16 too: what the dense part loses is the projections'
+    lm_head = 151936 * 2048 * 2
+    assert lm_head < fp8.dense < bf16.dense

@@ -128,3 +128,40 @@ def test_every_preset_in_guards_is_what_plan_writes_today(tmp_path: Path) -> Non
         r = plan(*argv, "--write-policy", str(out))
         assert r.returncode == 0, r.stderr
         assert tomllib.loads(out.read_text()) == tomllib.loads(preset.read_text()), preset
+
+
+DEEPSEEK_V3 = {  # DeepSeek-V3's published config.json, the fields the family reads
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+    "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
+    "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
+    "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
+    "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536,
+    "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128,
+    "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8,
+    "first_k_dense_replace": 3, "norm_topk_prob": True, "scoring_func": "sigmoid",
+    "max_position_embeddings": 163840, "rms_norm_eps": 1e-6, "rope_theta": 10000,
+    "rope_scaling": {
+        "beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096, "type": "yarn",
+    },
+    "tie_word_embeddings": False, "attention_bias": False, "bos_token_id": 0, "eos_token_id": 1,
+}  # fmt: skip
+
+
+def test_deepseek_v3_needs_fp8_on_eight_h200(tmp_path: Path) -> None:
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(DEEPSEEK_V3))
+    r = plan("--model", str(cfg), "--gpu", "h200", "--concurrency", "1,64")
+    assert r.returncode == 1
+    assert "no layout to recommend" in r.stdout
+    assert "the weights do not fit" in r.stdout and "--quantization fp8" in r.stdout
+    r = plan("--model", str(cfg), "--gpu", "h200", "--concurrency", "1,64", "--quantization", "fp8")
+    assert r.returncode == 0, r.stderr
+    assert "recommended: safeserve serve --tp-size 8 --ep-size 8" in r.stdout
+    assert "safeserve serve does not run FP8 yet" in r.stdout
+    r = plan(
+        "--model", str(cfg), "--gpu", "h200", "--quantization", "fp8",
+        "--write-policy", str(tmp_path / "p.toml"),
+    )  # fmt: skip
+    assert r.returncode == 2
+    assert "does not run FP8 weights or an FP8 KV cache yet" in one_error_line(r)
