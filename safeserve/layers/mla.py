@@ -21,7 +21,6 @@ graphs too) and per-sequence SDPA elsewhere.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from safeserve.kernels.linear import linear
@@ -83,27 +82,38 @@ class MLAttention(nn.Module):
         )
         self.o_proj = nn.Linear(num_heads * v_head_dim, hidden_size, bias=False)
         self.o_bias = nn.Parameter(torch.zeros(hidden_size), requires_grad=False) if bias else None
-        # q_a|kv_a as one GEMM (both read the layer's input) once `fuse_projections` ran.
+        # q_a|kv_a (or q|kv_a) as one GEMM once `fuse_projections` ran.
         self.a_weight: torch.Tensor | None = None
         self.a_bias: torch.Tensor | None = None
 
     def fuse_projections(self) -> None:
-        if self.q_a_proj is not None:
-            self.a_weight, self.a_bias = fuse_linears([self.q_a_proj, self.kv_a_proj_with_mqa])
+        # Both read the layer's input: q_a|kv_a with a q LoRA, else q|kv_a (where their biases
+        # agree: transformers gives q_proj none, kv_a one with attention_bias).
+        first = self.q_a_proj if self.q_a_proj is not None else self.q_proj
+        assert first is not None
+        if (first.bias is None) == (self.kv_a_proj_with_mqa.bias is None):
+            self.a_weight, self.a_bias = fuse_linears([first, self.kv_a_proj_with_mqa])
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(q [T, heads * qk_head_dim], compressed kv [T, kv_lora_rank + qk_rope_head_dim])."""
+        kv_rows = self.kv_a_proj_with_mqa.weight.shape[0]
         if self.q_proj is not None:
+            if self.a_weight is not None:
+                q, kv = linear(x, self.a_weight, self.a_bias).split(
+                    [self.q_proj.weight.shape[0], kv_rows], dim=-1
+                )
+                return q, kv
             return self.q_proj(x), self.kv_a_proj_with_mqa(x)
         assert self.q_a_proj is not None and self.q_a_layernorm is not None
         assert self.q_b_proj is not None
         if self.a_weight is not None:
-            q_a, kv = F.linear(x, self.a_weight, self.a_bias).split(
-                [self.q_a_proj.weight.shape[0], self.kv_a_proj_with_mqa.weight.shape[0]], dim=-1
+            q_a, kv = linear(x, self.a_weight, self.a_bias).split(
+                [self.q_a_proj.weight.shape[0], kv_rows], dim=-1
             )
         else:
             q_a, kv = self.q_a_proj(x), self.kv_a_proj_with_mqa(x)
-        return self.q_b_proj(self.q_a_layernorm(q_a)), kv
+        q_b = self.q_b_proj
+        return linear(self.q_a_layernorm(q_a), q_b.weight, q_b.bias), kv
 
     def forward(
         self,

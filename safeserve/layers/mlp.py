@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from safeserve.kernels.linear import linear
 from safeserve.layers.linear import fuse_linears
 from safeserve.parallel.comm import Comm
 
@@ -28,9 +29,10 @@ class DenseMLP(nn.Module):
         self.gate_up_weight = fuse_linears([self.gate_proj, self.up_proj])[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # `linear`: the skinny Triton GEMM for decode-sized batches on CUDA, else F.linear
         if self.gate_up_weight is not None:
-            gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+            gate, up = linear(x, self.gate_up_weight).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        out = self.down_proj(F.silu(gate) * up)
+        out = linear(F.silu(gate) * up, self.down_proj.weight)
         return self.comm.all_reduce(out) if self.reduce else out

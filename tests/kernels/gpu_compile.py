@@ -9,7 +9,7 @@ launch compiles through Triton's whole pipeline to a cubin (ptxas included), wit
 constexprs, tiles and launch options the launchers compute for that target (dependent launches
 from sm_90 on; tiles fitted to the target's shared memory), and nothing runs.
 
-Targets (TARGETS): sm_90 (H100/H200: the fused MoE at every entry of the shipped H200 tile table,
+Targets (TARGETS): sm_90 (H100/H200: the fused MoE at every entry of every shipped H200 tile table,
 and the heuristic configs any other device gets), sm_89 (L4/L40S/RTX 40, 99 KiB a program; what
 sm_86 and sm_120 parts offer too) and sm_80 (A100, 163 KiB). By default (`make test`) sm_90 and
 sm_89: sm_80 lowers through the same pre-Hopper path as sm_89 with more shared memory, and each
@@ -259,15 +259,23 @@ def _launch_everything(capability: int, shared: int) -> None:
         moe_align(torch.zeros(pairs, 1, dtype=torch.int32), e, 64)
     w13 = torch.empty(e, 2 * inter, h, dtype=bf16)
     w2 = torch.empty(e, h, inter, dtype=bf16)
-    if capability == 90:  # the fused MoE at every entry of the shipped H200 table
+    if capability == 90:  # the fused MoE at every entry of every shipped H200 table
         table = mc.load_config_table(
             str(mc.CONFIG_DIR / mc.config_file_name(e, h, inter, "NVIDIA H200"))
         )
         assert table, "no shipped H200 table"
-        for tokens, cfg in sorted(table.items()):
-            ids = torch.zeros(tokens, k, dtype=torch.int32)
-            weights = torch.empty(tokens, k, dtype=torch.float32)
-            fm.fused_moe(torch.empty(tokens, h, dtype=bf16), w13, w2, weights, ids, config=cfg)
+        for path in sorted(mc.CONFIG_DIR.glob("*_NVIDIA_H200.json")):
+            shape = json.loads(path.read_text())["meta"]["shape"]
+            te, th, ti, tk = shape["E"], shape["H"], shape["I"], shape["top_k"]
+            tw13 = torch.empty(te, 2 * ti, th, dtype=bf16)  # never touched: nothing runs
+            tw2 = torch.empty(te, th, ti, dtype=bf16)
+            shipped = mc.load_config_table(str(path))
+            assert shipped, path
+            for tokens, cfg in sorted(shipped.items()):
+                ids = torch.zeros(tokens, tk, dtype=torch.int32)
+                weights = torch.empty(tokens, tk, dtype=torch.float32)
+                x = torch.empty(tokens, th, dtype=bf16)
+                fm.fused_moe(x, tw13, tw2, weights, ids, config=cfg)
         # the pair plan's optional L2 prefetch of the down weights before its wait ("pdl": true)
         ids = torch.zeros(1, k, dtype=torch.int32)
         pair = {**table[min(table)], "pdl": True}
