@@ -21,6 +21,7 @@ import multiprocessing as mp
 import os
 import queue as queue_mod
 import signal
+import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
@@ -112,14 +113,17 @@ def _ended(code: int) -> str:
 
 
 def _rank_process(target: Callable[..., object], rank: int, queue: Any, args: tuple) -> None:
-    """The body of one rank's process: target(*args), a failure reported, then the queue
-    flushed and the process ended without the interpreter's teardown."""
+    """The body of one rank's process: target(*args), a failure reported, then its output and
+    the queue flushed and the process ended without the interpreter's teardown."""
     code = 0
     try:
         target(*args)
     except BaseException:  # SystemExit and KeyboardInterrupt end a rank as badly
         queue.put(_Failed(rank, traceback.format_exc()))
         code = 1
+    for stream in (sys.stdout, sys.stderr):  # os._exit flushes nothing
+        if stream is not None:
+            stream.flush()
     queue.close()
     queue.join_thread()
     os._exit(code)

@@ -48,6 +48,10 @@ def _report_then(rank: int, queue: mp.Queue, fail: bool) -> None:
     time.sleep(120 if fail else 0)
 
 
+def _say(rank: int, world: int, init: str) -> None:
+    print(f"rank {rank} of {world} says hello")  # no flush: the launcher's exit must do it
+
+
 def _gone(pids: list[int]) -> bool:
     alive = []
     for pid in pids:
@@ -121,3 +125,12 @@ def test_a_silent_group_times_out_and_is_stopped() -> None:
         run_ranks(_raise_on, 2, (-1,), timeout=1.5)
     assert time.monotonic() - t0 < 60
     assert not mp.active_children()
+
+
+def test_what_a_rank_prints_is_not_lost(
+    capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)  # the ranks' stdout block-buffered
+    assert run_ranks(_say, 2, timeout=60) == [None, None]
+    out = capfd.readouterr().out
+    assert "rank 0 of 2 says hello" in out and "rank 1 of 2 says hello" in out
