@@ -13,15 +13,14 @@ in combine (hidden x dtype size each, ids and weights not counted). The raw peak
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 from pathlib import Path
 
+import rank_bench
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -29,31 +28,18 @@ from safeserve.moe.dispatch import AllToAllDispatcher, CombineInput, StepTokens 
 from safeserve.moe.placement import ExpertPlacement  # noqa: E402
 from safeserve.moe.topk import TopKOutput  # noqa: E402
 from safeserve.parallel.comm import Comm, Layout  # noqa: E402
-from safeserve.ports import free_port  # noqa: E402
 
 
-def _time(fn, iters: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(iters):
-        dist.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        samples.append(start.elapsed_time(end) * 1e-3)
-    return statistics.median(samples)
+def _time(fn, iters: int, warmup: int, device: torch.device) -> float:
+    """Median seconds of a call, the ranks entering each together."""
+    return statistics.median(rank_bench.times(fn, iters, device, warmup, barrier=True))
 
 
-def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: mp.Queue) -> None:
-    device = torch.device("cuda", rank)
-    torch.cuda.set_device(device)
+def _worker(rank: int, world: int, init: str, args: argparse.Namespace) -> list[dict]:
+    device = rank_bench.rank_device(rank, args.device)
     layout = Layout(rank, world, world, dp_attention=True)
     comm = Comm(layout, device)
-    comm.init(f"tcp://127.0.0.1:{port}")
+    comm.init(init)
     placement = ExpertPlacement(args.experts, world, rank)
     disp = AllToAllDispatcher(placement, comm)
     dtype = torch.bfloat16
@@ -70,7 +56,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: mp.
             d = disp.dispatch(x, topk)
             disp.combine(CombineInput(d.hidden_states, d.handle))
 
-        t_ours = _time(step, args.iters, args.warmup)
+        t_ours = _time(step, args.iters, args.warmup, device)
         disp.begin_step(StepTokens([tokens] * world, replicated=False))
         d = disp.dispatch(x, topk)
         sent_rows = int(sum(d.handle.send_splits))
@@ -83,7 +69,10 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: mp.
         src = torch.randn(elems, device=device, dtype=dtype, generator=gen)
         dst = torch.empty_like(src)
         t_raw = _time(
-            lambda src=src, dst=dst: dist.all_to_all_single(dst, src), args.iters, args.warmup
+            lambda src=src, dst=dst: dist.all_to_all_single(dst, src),
+            args.iters,
+            args.warmup,
+            device,
         )
         rows.append(
             {
@@ -117,15 +106,13 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: mp.
         for _ in range(5):
             step()
         torch.cuda.synchronize()
-    out.put(rows)
     dist.barrier()
     comm.shutdown()
+    return rows
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = rank_bench.parser(__doc__)
     p.add_argument("--gpus", type=int, default=torch.cuda.device_count())
     p.add_argument(
         "--tokens", type=lambda s: [int(v) for v in s.split(",")], default=[128, 1024, 8192]
@@ -135,26 +122,16 @@ def main() -> None:
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--json", type=Path)
     p.add_argument(
         "--profile", action="store_true", help="print a torch.profiler table (rank 0, last size)"
     )
     args = p.parse_args()
     if args.gpus < 2:
         sys.exit("needs at least 2 GPUs")
-    port = free_port()
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [
-        ctx.Process(target=_worker, args=(r, args.gpus, port, args, q)) for r in range(args.gpus)
-    ]
-    for pr in procs:
-        pr.start()
-    results = [row for _ in procs for row in q.get(timeout=600)]
-    for pr in procs:
-        pr.join()
+    rank_bench.need_gpus(args.device, args.gpus)
+    results = [row for rows in rank_bench.run(_worker, args.gpus, (args,), 600) for row in rows]
     print(
-        f"{args.gpus} GPUs ({torch.cuda.get_device_name(0)}), hidden {args.hidden}, top-{args.top_k} of "
+        f"{args.gpus} GPUs ({rank_bench.device_name(args.device)}), hidden {args.hidden}, top-{args.top_k} of "
         f"{args.experts}, bf16; per rank: dispatch+combine vs raw all_to_all_single of the same bytes"
     )
     print(
@@ -172,8 +149,7 @@ def main() -> None:
             f"{statistics.mean(r['ours_us'] for r in rs):.0f} | {ours:.0f} | "
             f"{statistics.mean(r['raw_us'] for r in rs):.0f} | {raw:.0f} | {ours / raw:.0%} |"
         )
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
+    rank_bench.write_json(args.json, results, indent=1)
     os._exit(0)
 
 
