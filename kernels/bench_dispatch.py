@@ -1,9 +1,9 @@
 """Dispatch + combine of the `alltoall` backend against raw `all_to_all_single`, on N GPUs.
 
 One process per GPU (NCCL). For each tokens-per-rank count: random top-k routing over the
-experts, then `AllToAllDispatcher.dispatch` + `combine` (count-matrix exchange, three
-all-to-alls there, one back, the per-token sum), timed with CUDA events, median of the
-iterations. The bytes are the token rows each rank sends in dispatch plus those it sends back
+experts, then `AllToAllDispatcher` `prepare`, `dispatch` + `combine` per round and `finish`
+(the count-matrix all-gather, two all-to-alls there (rows, routing), one back, the per-token
+sum), timed with CUDA events, median of the iterations. The bytes are the token rows each rank sends in dispatch plus those it sends back
 in combine (hidden x dtype size each, ids and weights not counted). The raw peak is one
 `all_to_all_single` of the same number of bytes with equal splits, in the same run.
 
@@ -53,19 +53,25 @@ def _worker(rank: int, world: int, init: str, args: argparse.Namespace) -> list[
 
         def step(x=x, topk=topk, tokens=tokens) -> None:
             disp.begin_step(StepTokens([tokens] * world, replicated=False))
-            d = disp.dispatch(x, topk)
-            disp.combine(CombineInput(d.hidden_states, d.handle))
+            state = disp.prepare(x, topk)
+            for r in range(disp.num_rounds(state)):
+                d = disp.dispatch(state, r)
+                disp.combine(state, r, CombineInput(d.hidden_states))
+            disp.finish(state)
 
         t_ours = _time(step, args.iters, args.warmup, device)
         disp.begin_step(StepTokens([tokens] * world, replicated=False))
-        d = disp.dispatch(x, topk)
-        sent_rows = int(sum(d.handle.send_splits))
-        recv_rows = int(sum(d.handle.recv_splits))
-        remote_rows = sent_rows - d.handle.send_splits[rank]
+        counts = disp.prepare(x, topk).counts  # [source rank][destination rank] rows
+        sent_rows = sum(counts[rank])
+        recv_rows = sum(row[rank] for row in counts)
+        remote_rows = sent_rows - counts[rank][rank]
         row_bytes = args.hidden * x.element_size()
         moved = (sent_rows + recv_rows) * row_bytes  # dispatch sends + combine sends back
-        # Raw: one all_to_all_single moving the same bytes per rank, equal splits.
-        elems = max(world, moved // x.element_size() // world * world)
+        # Raw: one all_to_all_single moving the same bytes per rank, equal splits: the most any
+        # rank moved, so that every rank's splits agree (gloo refuses sizes that differ).
+        most = torch.tensor([moved], device=device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        elems = max(world, int(most.item()) // x.element_size() // world * world)
         src = torch.randn(elems, device=device, dtype=dtype, generator=gen)
         dst = torch.empty_like(src)
         t_raw = _time(
