@@ -255,6 +255,14 @@ def hf_greedy(model, tok, ids: list[int], n: int) -> list[int]:  # type: ignore[
     return out[: out.index(eos)] if eos in out else out
 
 
+# The layout HTTP tests' prompts: four lengths, the longer ones over --chunked-prefill-size 8.
+LAYOUT_PROMPTS = [
+    "The quick brown fox",
+    "Experts route tokens; the router picks the top k experts for every token.",
+    "A paged key value cache",
+    "Mixture of experts models serve many requests at once on many GPUs, and one failed GPU",
+]
+
 # The HTTP tests' chat: a system and a user message.
 CHAT_MESSAGES = [
     {"role": "system", "content": "Be brief."},

@@ -18,6 +18,7 @@ from checkpoints_deepseek_v3 import write_deepseek_v3_checkpoint
 from layouts import layout_args
 from serving import (
     CHAT_MESSAGES,
+    LAYOUT_PROMPTS,
     Server,
     api_client,
     assert_greedy_chat,
@@ -32,12 +33,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 HTTP_LAYOUTS = ["tp2-ep2-alltoall", "tp2-ep1-none-dp"]
 MODEL = "tiny"  # the served name (`stream_completion` asks for it)
-PROMPTS = [
-    "The quick brown fox",
-    "Experts route tokens; the router picks the top k experts for every token.",
-    "A paged key value cache",
-    "Mixture of experts models serve many requests at once on many GPUs, and one failed GPU",
-]
+PROMPTS = LAYOUT_PROMPTS
 
 
 @pytest.fixture(scope="module")

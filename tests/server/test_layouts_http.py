@@ -13,6 +13,7 @@ import torch
 from layouts import LAYOUTS, layout_args
 from serving import (
     KV_PRESSURE,
+    LAYOUT_PROMPTS,
     concurrent_completions,
     hf_greedy,
     preempts_and_loses_nothing,
@@ -20,12 +21,7 @@ from serving import (
 )
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-PROMPTS = [
-    "The quick brown fox",
-    "Experts route tokens; the router picks the top k experts for every token.",
-    "A paged key value cache",
-    "Mixture of experts models serve many requests at once on many GPUs, and one failed GPU",
-]
+PROMPTS = LAYOUT_PROMPTS
 
 
 @pytest.fixture(scope="module")
