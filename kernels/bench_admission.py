@@ -12,19 +12,21 @@ MoE on CUDA).
   time with admission on and off (the cost of admission when it does nothing).
 
     python3 kernels/bench_admission.py --gpus 2 --json out.json
+
+On `--device cpu` (a smoke run, gloo ranks) there is no peak memory and no Triton: the layer's
+time only, of the torch expert path.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 from pathlib import Path
 
+import rank_bench
 import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -34,9 +36,8 @@ from safeserve.moe.placement import ExpertPlacement  # noqa: E402
 from safeserve.moe.runner import ExpertRunner  # noqa: E402
 from safeserve.moe.topk import TopKOutput  # noqa: E402
 from safeserve.parallel.comm import Comm, Layout  # noqa: E402
-from safeserve.ports import free_port  # noqa: E402
 
-H, E, K, FFN = 2048, 128, 8, 768
+H, E, K, FFN = 2048, 128, 8, 768  # the defaults of --hidden, --experts, --top-k, --ffn
 
 
 def _layer(disp, runner, x, topk, tokens, world):
@@ -44,11 +45,12 @@ def _layer(disp, runner, x, topk, tokens, world):
     return disp.run(x, topk, runner)
 
 
-def _worker(rank: int, world: int, port: int, args: argparse.Namespace, q: mp.Queue) -> None:
-    dev = torch.device("cuda", rank)
-    torch.cuda.set_device(dev)
+def _worker(rank: int, world: int, init: str, args: argparse.Namespace) -> list[dict]:
+    H, E, K, FFN = args.hidden, args.experts, args.top_k, args.ffn
+    dev = rank_bench.rank_device(rank, args.device)
+    cuda = dev.type == "cuda"
     comm = Comm(Layout(rank, world, world, dp_attention=True), dev)
-    comm.init(f"tcp://127.0.0.1:{port}")
+    comm.init(init)
     placement = ExpertPlacement(E, world, rank)
     dtype = torch.bfloat16
     runner = ExpertRunner(placement.experts_per_rank, H, FFN).to(dev, dtype)
@@ -70,29 +72,23 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, q: mp.Qu
 
     def measure(x, topk, tokens, budget: int | None, iters: int) -> dict:
         disp.buffers = None
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        base = torch.cuda.memory_allocated(dev)
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            base = torch.cuda.memory_allocated(dev)
         if budget:
             disp.buffers = DispatchBuffers.allocate(budget, H, FFN, K, dtype, dev)
-        torch.cuda.reset_peak_memory_stats(dev)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(dev)
         res: dict = {"rank": rank, "budget": budget, "tokens_per_rank": tokens}
         try:
             with torch.no_grad():
-                _layer(disp, runner, x, topk, tokens, world)  # warm-up (Triton JIT)
-                times = []
-                for _ in range(iters):
-                    s, e = (
-                        torch.cuda.Event(enable_timing=True),
-                        torch.cuda.Event(enable_timing=True),
-                    )
-                    s.record()
-                    _layer(disp, runner, x, topk, tokens, world)
-                    e.record()
-                    torch.cuda.synchronize()
-                    times.append(s.elapsed_time(e) * 1e3)
-            res["layer_us"] = statistics.median(times)
-            res["peak_bytes_above_weights"] = torch.cuda.max_memory_allocated(dev) - base
+                times = rank_bench.times(  # one warm-up call (Triton JIT)
+                    lambda: _layer(disp, runner, x, topk, tokens, world), iters, dev, warmup=1
+                )
+            res["layer_us"] = statistics.median(times) * 1e6
+            if cuda:
+                res["peak_bytes_above_weights"] = torch.cuda.max_memory_allocated(dev) - base
             if disp.buffers is not None:
                 st = disp.buffers.stats
                 layers = iters + 1
@@ -118,34 +114,27 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, q: mp.Qu
             r = measure(x, topk, args.uniform_tokens, budget, iters=args.iters)
             r.update(scenario="uniform")
             out.append(r)
-    q.put(out)
     comm.shutdown()
+    return out
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = rank_bench.parser(__doc__)
     p.add_argument("--gpus", type=int, default=2)
     p.add_argument("--skew-tokens", type=int, default=16384)
     p.add_argument("--budget", type=int, default=2048)
     p.add_argument("--uniform-tokens", type=int, default=1024)
     p.add_argument("--iters", type=int, default=30)
-    p.add_argument("--json", type=Path)
+    p.add_argument("--hidden", type=int, default=H)
+    p.add_argument("--experts", type=int, default=E)
+    p.add_argument("--top-k", type=int, default=K)
+    p.add_argument("--ffn", type=int, default=FFN, help="the expert FFN width")
     args = p.parse_args()
-    port = free_port()
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [
-        ctx.Process(target=_worker, args=(r, args.gpus, port, args, q)) for r in range(args.gpus)
-    ]
-    for pr in procs:
-        pr.start()
-    rows = [row for _ in procs for row in q.get(timeout=900)]
-    for pr in procs:
-        pr.join()
+    rank_bench.need_gpus(args.device, args.gpus)
+    rows = [row for out in rank_bench.run(_worker, args.gpus, (args,), 900) for row in out]
     print(
-        f"{args.gpus} x {torch.cuda.get_device_name(0)}; MoE layer E={E} top-{K} H={H} I={FFN} bf16, ep {args.gpus}"
+        f"{args.gpus} x {rank_bench.device_name(args.device)}; MoE layer E={args.experts} "
+        f"top-{args.top_k} H={args.hidden} I={args.ffn} bf16, ep {args.gpus}"
     )
     print(
         "| scenario | tokens/rank | rank | budget | rounds | recv peak | peak MiB above weights | layer µs |"
@@ -155,7 +144,7 @@ def main() -> None:
         peak = (
             f"{r['peak_bytes_above_weights'] / 2**20:.0f}"
             if "peak_bytes_above_weights" in r
-            else r.get("oom")
+            else r.get("oom", "-")
         )
         print(
             f"| {r['scenario']} | {r['tokens_per_rank']} | {r['rank']} | {r['budget'] or 'off'} | "
@@ -167,8 +156,7 @@ def main() -> None:
     print(
         f"uniform: admission on {on:.0f} µs, off {off:.0f} µs: cost {100 * (on / off - 1):+.1f} %"
     )
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+    rank_bench.write_json(args.json, rows, indent=1)
     os._exit(0)
 
 

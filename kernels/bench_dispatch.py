@@ -1,9 +1,9 @@
 """Dispatch + combine of the `alltoall` backend against raw `all_to_all_single`, on N GPUs.
 
 One process per GPU (NCCL). For each tokens-per-rank count: random top-k routing over the
-experts, then `AllToAllDispatcher.dispatch` + `combine` (count-matrix exchange, three
-all-to-alls there, one back, the per-token sum), timed with CUDA events, median of the
-iterations. The bytes are the token rows each rank sends in dispatch plus those it sends back
+experts, then `AllToAllDispatcher` `prepare`, `dispatch` + `combine` per round and `finish`
+(the count-matrix all-gather, two all-to-alls there (rows, routing), one back, the per-token
+sum), timed with CUDA events, median of the iterations. The bytes are the token rows each rank sends in dispatch plus those it sends back
 in combine (hidden x dtype size each, ids and weights not counted). The raw peak is one
 `all_to_all_single` of the same number of bytes with equal splits, in the same run.
 
@@ -13,15 +13,14 @@ in combine (hidden x dtype size each, ids and weights not counted). The raw peak
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 from pathlib import Path
 
+import rank_bench
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -29,31 +28,18 @@ from safeserve.moe.dispatch import AllToAllDispatcher, CombineInput, StepTokens 
 from safeserve.moe.placement import ExpertPlacement  # noqa: E402
 from safeserve.moe.topk import TopKOutput  # noqa: E402
 from safeserve.parallel.comm import Comm, Layout  # noqa: E402
-from safeserve.ports import free_port  # noqa: E402
 
 
-def _time(fn, iters: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(iters):
-        dist.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        samples.append(start.elapsed_time(end) * 1e-3)
-    return statistics.median(samples)
+def _time(fn, iters: int, warmup: int, device: torch.device) -> float:
+    """Median seconds of a call, the ranks entering each together."""
+    return statistics.median(rank_bench.times(fn, iters, device, warmup, barrier=True))
 
 
-def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: mp.Queue) -> None:
-    device = torch.device("cuda", rank)
-    torch.cuda.set_device(device)
+def _worker(rank: int, world: int, init: str, args: argparse.Namespace) -> list[dict]:
+    device = rank_bench.rank_device(rank, args.device)
     layout = Layout(rank, world, world, dp_attention=True)
     comm = Comm(layout, device)
-    comm.init(f"tcp://127.0.0.1:{port}")
+    comm.init(init)
     placement = ExpertPlacement(args.experts, world, rank)
     disp = AllToAllDispatcher(placement, comm)
     dtype = torch.bfloat16
@@ -67,23 +53,32 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: mp.
 
         def step(x=x, topk=topk, tokens=tokens) -> None:
             disp.begin_step(StepTokens([tokens] * world, replicated=False))
-            d = disp.dispatch(x, topk)
-            disp.combine(CombineInput(d.hidden_states, d.handle))
+            state = disp.prepare(x, topk)
+            for r in range(disp.num_rounds(state)):
+                d = disp.dispatch(state, r)
+                disp.combine(state, r, CombineInput(d.hidden_states))
+            disp.finish(state)
 
-        t_ours = _time(step, args.iters, args.warmup)
+        t_ours = _time(step, args.iters, args.warmup, device)
         disp.begin_step(StepTokens([tokens] * world, replicated=False))
-        d = disp.dispatch(x, topk)
-        sent_rows = int(sum(d.handle.send_splits))
-        recv_rows = int(sum(d.handle.recv_splits))
-        remote_rows = sent_rows - d.handle.send_splits[rank]
+        counts = disp.prepare(x, topk).counts  # [source rank][destination rank] rows
+        sent_rows = sum(counts[rank])
+        recv_rows = sum(row[rank] for row in counts)
+        remote_rows = sent_rows - counts[rank][rank]
         row_bytes = args.hidden * x.element_size()
         moved = (sent_rows + recv_rows) * row_bytes  # dispatch sends + combine sends back
-        # Raw: one all_to_all_single moving the same bytes per rank, equal splits.
-        elems = max(world, moved // x.element_size() // world * world)
+        # Raw: one all_to_all_single moving the same bytes per rank, equal splits: the most any
+        # rank moved, so that every rank's splits agree (gloo refuses sizes that differ).
+        most = torch.tensor([moved], device=device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        elems = max(world, int(most.item()) // x.element_size() // world * world)
         src = torch.randn(elems, device=device, dtype=dtype, generator=gen)
         dst = torch.empty_like(src)
         t_raw = _time(
-            lambda src=src, dst=dst: dist.all_to_all_single(dst, src), args.iters, args.warmup
+            lambda src=src, dst=dst: dist.all_to_all_single(dst, src),
+            args.iters,
+            args.warmup,
+            device,
         )
         rows.append(
             {
@@ -117,15 +112,13 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: mp.
         for _ in range(5):
             step()
         torch.cuda.synchronize()
-    out.put(rows)
     dist.barrier()
     comm.shutdown()
+    return rows
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = rank_bench.parser(__doc__)
     p.add_argument("--gpus", type=int, default=torch.cuda.device_count())
     p.add_argument(
         "--tokens", type=lambda s: [int(v) for v in s.split(",")], default=[128, 1024, 8192]
@@ -135,26 +128,16 @@ def main() -> None:
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--json", type=Path)
     p.add_argument(
         "--profile", action="store_true", help="print a torch.profiler table (rank 0, last size)"
     )
     args = p.parse_args()
     if args.gpus < 2:
         sys.exit("needs at least 2 GPUs")
-    port = free_port()
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [
-        ctx.Process(target=_worker, args=(r, args.gpus, port, args, q)) for r in range(args.gpus)
-    ]
-    for pr in procs:
-        pr.start()
-    results = [row for _ in procs for row in q.get(timeout=600)]
-    for pr in procs:
-        pr.join()
+    rank_bench.need_gpus(args.device, args.gpus)
+    results = [row for rows in rank_bench.run(_worker, args.gpus, (args,), 600) for row in rows]
     print(
-        f"{args.gpus} GPUs ({torch.cuda.get_device_name(0)}), hidden {args.hidden}, top-{args.top_k} of "
+        f"{args.gpus} GPUs ({rank_bench.device_name(args.device)}), hidden {args.hidden}, top-{args.top_k} of "
         f"{args.experts}, bf16; per rank: dispatch+combine vs raw all_to_all_single of the same bytes"
     )
     print(
@@ -172,8 +155,7 @@ def main() -> None:
             f"{statistics.mean(r['ours_us'] for r in rs):.0f} | {ours:.0f} | "
             f"{statistics.mean(r['raw_us'] for r in rs):.0f} | {raw:.0f} | {ours / raw:.0%} |"
         )
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
+    rank_bench.write_json(args.json, results, indent=1)
     os._exit(0)
 
 

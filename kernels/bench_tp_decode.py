@@ -18,14 +18,12 @@ every rank must hold the same plan without a broadcast in the timed loop.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import torch
-import torch.multiprocessing as mp
+import rank_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -34,7 +32,6 @@ from safeserve.engine.kv_cache import new_table_id  # noqa: E402
 from safeserve.engine.model_runner import ModelRunner  # noqa: E402
 from safeserve.engine.plan import SeqPlan, StepPlan  # noqa: E402
 from safeserve.messages import SamplingParams  # noqa: E402
-from safeserve.ports import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -90,66 +87,61 @@ def _replays(runner: ModelRunner) -> list[int]:
     return [g.replays if g is not None else 0 for g in (runner.cuda_graphs, runner.piecewise)]
 
 
-def _worker(rank: int, port: int, opts: argparse.Namespace, q: mp.Queue) -> None:
-    try:
-        args = ServerArgs(
-            model=opts.model,
-            load_format=opts.load_format,
-            dtype=opts.dtype,
-            device=opts.device,
-            tp_size=opts.tp_size,
-            ep_size=opts.ep_size,
-            moe_a2a_backend=opts.moe_a2a_backend,
-            enable_dp_attention=opts.enable_dp_attention,
-            max_running_requests=max(opts.concurrency),
-        )
-        runner = ModelRunner(args, rank, f"tcp://127.0.0.1:{port}", capture_cuda_graphs=False)
-        rows = []
-        step = 1
-        modes = ("eager", "graphs") if opts.device == "cuda" else ("eager",)
-        for mode in modes:
-            if mode == "graphs":
-                t0 = time.perf_counter()
-                runner.capture_cuda_graphs()
-                if rank == 0:
-                    print(f"captured in {time.perf_counter() - t0:.1f} s", flush=True)
-                if runner.cuda_graphs is None and runner.piecewise is None:
-                    raise RuntimeError("no CUDA graphs for this layout")
-                replays0 = _replays(runner)
-            for batch in opts.concurrency:
-                times, step = _timed_decode(runner, batch, opts.input_len, opts.steps, step)
-                row = {
-                    "mode": mode,
-                    "concurrency": batch,
-                    "step_ms_median": 1e3 * statistics.median(times),
-                    "step_ms_p10": 1e3 * sorted(times)[len(times) // 10],
-                    "step_ms_p90": 1e3 * sorted(times)[(9 * len(times)) // 10],
-                }
-                rows.append(row)
-                if rank == 0:
-                    print(
-                        f"{mode:>6} concurrency {batch:>3}: step {row['step_ms_median']:.2f} ms "
-                        f"(p10 {row['step_ms_p10']:.2f}, p90 {row['step_ms_p90']:.2f})",
-                        flush=True,
-                    )
-        replays = (
-            [a - b for a, b in zip(_replays(runner), replays0, strict=True)]
-            if "graphs" in modes
-            else []
-        )
-        q.put((rank, {"rows": rows, "replays": replays}))
-        runner.comm.shutdown()
-    except Exception as e:  # reported, then the parent stops every rank
-        q.put((rank, {"error": f"{type(e).__name__}: {e}"}))
-        raise
+def _worker(rank: int, world: int, init: str, opts: argparse.Namespace) -> dict:
+    args = ServerArgs(
+        model=opts.model,
+        load_format=opts.load_format,
+        dtype=opts.dtype,
+        device=opts.device,
+        tp_size=opts.tp_size,
+        ep_size=opts.ep_size,
+        moe_a2a_backend=opts.moe_a2a_backend,
+        enable_dp_attention=opts.enable_dp_attention,
+        max_running_requests=max(opts.concurrency),
+    )
+    runner = ModelRunner(args, rank, init, capture_cuda_graphs=False)
+    rows = []
+    step = 1
+    modes = ("eager", "graphs") if opts.device == "cuda" else ("eager",)
+    for mode in modes:
+        if mode == "graphs":
+            t0 = time.perf_counter()
+            runner.capture_cuda_graphs()
+            if rank == 0:
+                print(f"captured in {time.perf_counter() - t0:.1f} s", flush=True)
+            if runner.cuda_graphs is None and runner.piecewise is None:
+                raise RuntimeError("no CUDA graphs for this layout")
+            replays0 = _replays(runner)
+        for batch in opts.concurrency:
+            times, step = _timed_decode(runner, batch, opts.input_len, opts.steps, step)
+            row = {
+                "mode": mode,
+                "concurrency": batch,
+                "step_ms_median": 1e3 * statistics.median(times),
+                "step_ms_p10": 1e3 * sorted(times)[len(times) // 10],
+                "step_ms_p90": 1e3 * sorted(times)[(9 * len(times)) // 10],
+            }
+            rows.append(row)
+            if rank == 0:
+                print(
+                    f"{mode:>6} concurrency {batch:>3}: step {row['step_ms_median']:.2f} ms "
+                    f"(p10 {row['step_ms_p10']:.2f}, p90 {row['step_ms_p90']:.2f})",
+                    flush=True,
+                )
+    replays = (
+        [a - b for a, b in zip(_replays(runner), replays0, strict=True)]
+        if "graphs" in modes
+        else []
+    )
+    runner.comm.shutdown()
+    return {"rows": rows, "replays": replays}
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = rank_bench.parser(__doc__)
     p.add_argument("--model", default=str(ROOT / "kernels/configs/qwen3-30b-a3b"))
     p.add_argument("--load-format", default="dummy")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--device", default="cuda", help="cpu: a smoke run (eager only, gloo)")
     p.add_argument("--tp-size", type=int, default=2)
     p.add_argument("--ep-size", type=int, default=2)
     p.add_argument("--moe-a2a-backend", default="none")
@@ -157,30 +149,10 @@ def main() -> None:
     p.add_argument("--concurrency", default="1,8,64")
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--steps", type=int, default=64)
-    p.add_argument("--json", type=Path)
     opts = p.parse_args()
     opts.concurrency = [int(c) for c in opts.concurrency.split(",")]
-    if opts.device == "cuda" and torch.cuda.device_count() < opts.tp_size:
-        sys.exit(f"needs {opts.tp_size} GPUs, found {torch.cuda.device_count()}")
-    port = free_port()
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, port, opts, q)) for r in range(opts.tp_size)]
-    for proc in procs:
-        proc.start()
-    results: dict[int, dict] = {}
-    try:
-        while len(results) < opts.tp_size:
-            rank, res = q.get(timeout=900)
-            if "error" in res:
-                sys.exit(f"rank {rank} failed: {res['error']}")
-            results[rank] = res
-    finally:
-        for proc in procs:
-            proc.join(30)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+    rank_bench.need_gpus(opts.device, opts.tp_size)
+    results = dict(enumerate(rank_bench.run(_worker, opts.tp_size, (opts,), 900)))
     rows = results[0]["rows"]
     eager = {r["concurrency"]: r["step_ms_median"] for r in rows if r["mode"] == "eager"}
     if opts.device != "cuda":
@@ -197,12 +169,8 @@ def main() -> None:
     replays = {rank: res["replays"] for rank, res in results.items()}
     print(f"graph replays per rank [decode, piecewise]: {replays}")
     if opts.json:
-        opts.json.write_text(
-            json.dumps(
-                {"args": vars(opts) | {"json": str(opts.json)}, "rows": rows, "replays": replays},
-                indent=2,
-            )
-        )
+        args = vars(opts) | {"json": str(opts.json)}
+        rank_bench.write_json(opts.json, {"args": args, "rows": rows, "replays": replays}, 2)
 
 
 if __name__ == "__main__":

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
-import traceback
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+
+from safeserve.spawn import run_ranks, spawn_ranks
 
 LAYOUTS = {
     # name: (tp, ep, backend, dp_attention)
@@ -29,6 +27,21 @@ def layout_args(name: str) -> list[str]:
     return args + (["--enable-dp-attention"] if dp else [])
 
 
+def layout_server_args(model: str, layout: tuple, **kw: object):  # type: ignore[no-untyped-def]
+    """The ServerArgs of a LAYOUTS entry (tp, ep, backend, dp attention) on `model`, plus `kw`."""
+    from safeserve.config import ServerArgs
+
+    tp, ep, backend, dp = layout
+    return ServerArgs(
+        model=model,
+        tp_size=tp,
+        ep_size=ep,
+        moe_a2a_backend=backend,
+        enable_dp_attention=dp,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
 def _rank_main(
     device: str,
     model: str,
@@ -39,54 +52,40 @@ def _rank_main(
     chunks: list[int],
     queue: mp.Queue,
 ) -> None:
-    try:
-        from safeserve.config import ServerArgs
-        from safeserve.engine.model_runner import ModelRunner
-        from safeserve.engine.plan import SeqPlan, StepPlan
-        from safeserve.messages import SamplingParams
+    """One rank of `run_layout` (spawned by safeserve.spawn, which reports it if it raises)."""
+    from safeserve.engine.model_runner import ModelRunner
+    from safeserve.engine.plan import SeqPlan, StepPlan
+    from safeserve.messages import SamplingParams
 
-        tp, ep, backend, dp = layout
-        args = ServerArgs(
-            model=model,
-            tp_size=tp,
-            ep_size=ep,
-            moe_a2a_backend=backend,
-            enable_dp_attention=dp,
-            num_kv_blocks=64,
-            block_size=4,
-            device=device,
-        )
-        runner = ModelRunner(args, rank, init)
-        dp_size = tp if dp else 1
-        tables = {
-            i: list(range(16 * (i // dp_size), 16 * (i // dp_size) + 16)) for i in range(len(seqs))
-        }
-        pos, step = 0, 0
-        for n in chunks:
-            per_rank: list[list[SeqPlan]] = [[] for _ in range(dp_size)]
-            owners = []
-            for i, ids in enumerate(seqs):
-                if pos >= len(ids):
-                    continue
-                piece = ids[pos : pos + n]
-                per_rank[i % dp_size].append(
-                    SeqPlan(piece, pos, tables[i], SamplingParams(temperature=0.0), 0)
-                )
-                owners.append((i % dp_size, i, pos + len(piece) - 1))
-            step += 1
-            logits, _ = runner.run_plan(StepPlan(step, per_rank))
-            if logits is not None:
-                mine = [(i, p) for r, i, p in owners if r == (rank if dp else 0)]
-                for (i, p), row in zip(mine, logits, strict=True):
-                    queue.put(
-                        (i, p, row.float().cpu().tolist())
-                    )  # plain data: the rank may exit first
-            pos += n
-        graphs = [runner.cuda_graphs, runner.piecewise]
-        queue.put(("done", rank, tuple(g.replays if g is not None else None for g in graphs)))
-        runner.comm.shutdown()
-    except Exception:
-        queue.put(("error", rank, traceback.format_exc()))
+    tp, _, _, dp = layout
+    args = layout_server_args(model, layout, num_kv_blocks=64, block_size=4, device=device)
+    runner = ModelRunner(args, rank, init)
+    dp_size = tp if dp else 1
+    tables = {
+        i: list(range(16 * (i // dp_size), 16 * (i // dp_size) + 16)) for i in range(len(seqs))
+    }
+    pos, step = 0, 0
+    for n in chunks:
+        per_rank: list[list[SeqPlan]] = [[] for _ in range(dp_size)]
+        owners = []
+        for i, ids in enumerate(seqs):
+            if pos >= len(ids):
+                continue
+            piece = ids[pos : pos + n]
+            per_rank[i % dp_size].append(
+                SeqPlan(piece, pos, tables[i], SamplingParams(temperature=0.0), 0)
+            )
+            owners.append((i % dp_size, i, pos + len(piece) - 1))
+        step += 1
+        logits, _ = runner.run_plan(StepPlan(step, per_rank))
+        if logits is not None:
+            mine = [(i, p) for r, i, p in owners if r == (rank if dp else 0)]
+            for (i, p), row in zip(mine, logits, strict=True):
+                queue.put((i, p, row.float().cpu().tolist()))  # plain data: the rank may exit first
+        pos += n
+    graphs = [runner.cuda_graphs, runner.piecewise]
+    queue.put(("done", rank, tuple(g.replays if g is not None else None for g in graphs)))
+    runner.comm.shutdown()
 
 
 def run_layout(
@@ -102,16 +101,14 @@ def run_layout(
     each rank's (decode, piecewise) CUDA graph replays (None where the rank captured none)."""
     layout = LAYOUTS[name]
     out, done = {}, 0
-    with _group(
+    with spawn_ranks(
         layout[0],
-        port,
         _rank_main,
         lambda r, init, q: (device, str(model), layout, r, init, seqs, chunks, q),
-    ) as queue:
+        port=port,
+    ) as ranks:
         while done < layout[0]:
-            a, b, c = queue.get(timeout=180)
-            if a == "error":
-                raise RuntimeError(f"rank {b} failed:\n{c}")
+            a, b, c = ranks.get(timeout=180)
             if a == "done":
                 done += 1
                 if replays is not None:
@@ -163,115 +160,72 @@ def assert_layout_matches(
         )
 
 
-@contextmanager
-def _group(world: int, port: int, target, args) -> Iterator[mp.Queue]:  # type: ignore[no-untyped-def]
-    """`world` spawned processes running target(*args(rank, init, queue)), rendezvous on
-    `port`; yields the queue they report to, and stops every one of them on the way out."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    init = f"tcp://127.0.0.1:{port}"
-    procs = [
-        ctx.Process(target=_exit_when_done, args=(target, queue, args(r, init, queue)))
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    try:
-        yield queue
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-                p.join()
-
-
-def _exit_when_done(target, queue: mp.Queue, args: tuple) -> None:  # type: ignore[no-untyped-def]
-    """One spawned rank: target(*args), then what it put on the queue is flushed and the process
-    ends without the interpreter's teardown (most of a second per process with torch loaded)."""
-    target(*args)
-    queue.close()
-    queue.join_thread()
-    os._exit(0)
-
-
-def _dispatch_rank_main(rank: int, world: int, init: str, queue: mp.Queue) -> None:
+def _dispatch_rank_main(rank: int, world: int, init: str) -> dict:
     """One rank of `run_alltoall_both_ways`: routed steps through the alltoall backend as eager
     steps and as steps a CUDA graph would capture (no graph on CPU: the same calls). First with
     the same tokens on every rank (tensor-parallel attention), then with each rank's own
     (attention data-parallel), which a graph step pads to one bucket on every rank."""
-    try:
-        from safeserve.moe.dispatch import AllToAllDispatcher, CombineInput, StepTokens
-        from safeserve.moe.placement import ExpertPlacement
-        from safeserve.moe.topk import TopKOutput
-        from safeserve.parallel.comm import Comm, Layout
+    from safeserve.moe.dispatch import AllToAllDispatcher, CombineInput, StepTokens
+    from safeserve.moe.placement import ExpertPlacement
+    from safeserve.moe.topk import TopKOutput
+    from safeserve.parallel.comm import Comm, Layout
 
-        experts, top_k, hidden = 8, 3, 16
-        comm = Comm(Layout(rank, world, world), torch.device("cpu"))
-        comm.init(init)
-        placement = ExpertPlacement(experts, world, rank)
-        d = AllToAllDispatcher(placement, comm)
+    experts, top_k, hidden = 8, 3, 16
+    comm = Comm(Layout(rank, world, world), torch.device("cpu"))
+    comm.init(init)
+    placement = ExpertPlacement(experts, world, rank)
+    d = AllToAllDispatcher(placement, comm)
 
-        def routed(tokens: int, seed: int) -> tuple[torch.Tensor, TopKOutput]:
-            gen = torch.Generator().manual_seed(seed)
-            x = torch.randn(tokens, hidden, generator=gen)
-            ids = torch.stack(
-                [torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)]
-            )
-            w = torch.rand(tokens, top_k, generator=gen)
-            return x, TopKOutput(ids, w, torch.zeros(tokens, experts))
+    def routed(tokens: int, seed: int) -> tuple[torch.Tensor, TopKOutput]:
+        gen = torch.Generator().manual_seed(seed)
+        x = torch.randn(tokens, hidden, generator=gen)
+        ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+        w = torch.rand(tokens, top_k, generator=gen)
+        return x, TopKOutput(ids, w, torch.zeros(tokens, experts))
 
-        def run_experts(out):  # type: ignore[no-untyped-def]
-            # expert p scales its rows by p + 1: the sum tells which experts ran, and how often
-            local = out.topk_ids
-            scale = torch.where(local >= 0, local + placement.local_start + 1, 0).to(torch.float)
-            return CombineInput(out.hidden_states * (out.topk_weights * scale).sum(1, True))
+    def run_experts(out):  # type: ignore[no-untyped-def]
+        # expert p scales its rows by p + 1: the sum tells which experts ran, and how often
+        local = out.topk_ids
+        scale = torch.where(local >= 0, local + placement.local_start + 1, 0).to(torch.float)
+        return CombineInput(out.hidden_states * (out.topk_weights * scale).sum(1, True))
 
-        def step(x: torch.Tensor, topk: TopKOutput, tokens: StepTokens) -> tuple:
-            d.balance.clear()
-            d.begin_step(tokens)
-            y = d.run(x, topk, run_experts)
-            d.end_step()  # closes the step's one balancedness pass
-            rows = y[: int(tokens.real.sum())] if tokens.real is not None else y
-            return rows.tolist(), d.last_count_matrix.tolist(), d.balance.window_means()[10]
+    def step(x: torch.Tensor, topk: TopKOutput, tokens: StepTokens) -> tuple:
+        d.balance.clear()
+        d.begin_step(tokens)
+        y = d.run(x, topk, run_experts)
+        d.end_step()  # closes the step's one balancedness pass
+        rows = y[: int(tokens.real.sum())] if tokens.real is not None else y
+        return rows.tolist(), d.last_count_matrix.tolist(), d.balance.window_means()[10]
 
-        def expected(x: torch.Tensor, topk: TopKOutput) -> list:
-            return (x * (topk.topk_weights * (topk.topk_ids + 1)).sum(1, True)).tolist()
+    def expected(x: torch.Tensor, topk: TopKOutput) -> list:
+        return (x * (topk.topk_weights * (topk.topk_ids + 1)).sum(1, True)).tolist()
 
-        results = {}
-        x, topk = routed(7, 11)  # the same tokens on every rank
-        for graph in (False, True):
-            results[("tp", graph)] = step(x, topk, StepTokens([7] * world, True, graph))
-        results["tp"] = expected(x, topk)
-        own = [3 + 2 * r for r in range(world)]  # each rank its own tokens
-        x, topk = routed(own[rank], 100 + rank)
-        results[("dp", False)] = step(x, topk, StepTokens(own, False))
-        # A graph step pads every rank's rows to one bucket; the padding rows here are routed
-        # to experts 0..k-1 (rank 0's), as stale rows in a graph's buffers route somewhere.
-        bucket = max(own) + 1
-        xp = torch.ones(bucket, hidden)
-        xp[: own[rank]] = x
-        ids = torch.arange(top_k).repeat(bucket, 1)
-        ids[: own[rank]] = topk.topk_ids
-        w = torch.ones(bucket, top_k)
-        w[: own[rank]] = topk.topk_weights
-        padded = TopKOutput(ids, w, torch.zeros(bucket, experts))
-        real = torch.arange(bucket) < own[rank]
-        results[("dp", True)] = step(xp, padded, StepTokens([bucket] * world, False, True, real))
-        results["dp"] = expected(x, topk)
-        queue.put((rank, results, None))
-        comm.shutdown()
-    except Exception:
-        queue.put((rank, "error", traceback.format_exc()))
+    results = {}
+    x, topk = routed(7, 11)  # the same tokens on every rank
+    for graph in (False, True):
+        results[("tp", graph)] = step(x, topk, StepTokens([7] * world, True, graph))
+    results["tp"] = expected(x, topk)
+    own = [3 + 2 * r for r in range(world)]  # each rank its own tokens
+    x, topk = routed(own[rank], 100 + rank)
+    results[("dp", False)] = step(x, topk, StepTokens(own, False))
+    # A graph step pads every rank's rows to one bucket; the padding rows here are routed
+    # to experts 0..k-1 (rank 0's), as stale rows in a graph's buffers route somewhere.
+    bucket = max(own) + 1
+    xp = torch.ones(bucket, hidden)
+    xp[: own[rank]] = x
+    ids = torch.arange(top_k).repeat(bucket, 1)
+    ids[: own[rank]] = topk.topk_ids
+    w = torch.ones(bucket, top_k)
+    w[: own[rank]] = topk.topk_weights
+    padded = TopKOutput(ids, w, torch.zeros(bucket, experts))
+    real = torch.arange(bucket) < own[rank]
+    results[("dp", True)] = step(xp, padded, StepTokens([bucket] * world, False, True, real))
+    results["dp"] = expected(x, topk)
+    comm.shutdown()
+    return results
 
 
-def run_alltoall_both_ways(world: int, port: int) -> list[tuple]:
-    """(rank, results, None) from every rank; results[(layout, graph)] = (output rows, count
-    matrix, the step's balancedness) and results[layout] = the expected rows, for layout "tp"
-    and "dp"."""
-    with _group(world, port, _dispatch_rank_main, lambda r, init, q: (r, world, init, q)) as queue:
-        out = [queue.get(timeout=120) for _ in range(world)]
-    for rank, res, tb in out:
-        if res == "error":
-            raise RuntimeError(f"rank {rank} failed:\n{tb}")
-    return out
+def run_alltoall_both_ways(world: int, port: int) -> list[dict]:
+    """Every rank's results, by rank: results[(layout, graph)] = (output rows, count matrix, the
+    step's balancedness) and results[layout] = the expected rows, for layout "tp" and "dp"."""
+    return run_ranks(_dispatch_rank_main, world, port=port, timeout=120)

@@ -1,5 +1,6 @@
 """Checks every model family's tests share: our model's logits through the paged KV cache
-against transformers', and broken copies of a checkpoint for the start-up check."""
+against transformers', the checkpoints of the families' variants, broken copies of a checkpoint
+for the start-up check, and an engine on dummy weights."""
 
 from __future__ import annotations
 
@@ -67,6 +68,42 @@ def paged_logits_match_transformers(ckpt: Path, n: int = 29) -> None:
         torch.set_num_threads(threads)
     assert ours.shape == ref.shape
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
+
+
+def variant_checkpoint(
+    write: Callable[..., Path], good: Path, tmp_path: Path, variant: str, options: dict
+) -> Path:
+    """The checkpoint of a family's test variant: `good` for "default", else one `write` makes
+    at `tmp_path` with the variant's `options` (seed 4), in 20 KB safetensors shards where the
+    variant's name starts with "sharded" (checked: they have an index, the others none)."""
+    if variant == "default":
+        return good
+    sharded = variant.startswith("sharded")
+    ckpt = write(tmp_path, seed=4, max_shard_size="20KB" if sharded else None, **options)
+    assert (ckpt / "model.safetensors.index.json").exists() == sharded
+    return ckpt
+
+
+def dummy_load_generates(config: dict, tmp_path: Path, tokens: int = 4) -> Any:
+    """An engine on `--load-format dummy` from `config` alone (a config.json at `tmp_path`, no
+    weights, seed 5) generates `tokens` greedy tokens, each in the vocabulary. Returns its
+    model, for the family's own checks of the dummy weights."""
+    import json
+
+    from safeserve.config import ServerArgs
+    from safeserve.engine.engine import Engine
+    from safeserve.messages import SamplingParams
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    engine = Engine(ServerArgs(model=str(tmp_path), load_format="dummy", seed=5))
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    engine.add_request("a", [1, 2, 3], params)
+    out: list[int] = []
+    while engine.has_work():
+        for o in engine.step():
+            out += o.new_token_ids
+    assert len(out) == tokens and all(0 <= t < config["vocab_size"] for t in out)
+    return engine.runner.model
 
 
 def broken_copy(good: Path, out: Path, edit: Callable[[dict], Any]) -> Path:

@@ -84,8 +84,6 @@ def stream_completion(
 ) -> tuple[list[int], str | None]:
     """A streamed greedy completion of `max_tokens` (EOS ignored): (every token id received,
     the error code if it was refused or ended with an error event)."""
-    import json
-
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
     body |= {"ignore_eos": True, "return_token_ids": True, "stream": True, **extra}
     ids: list[int] = []
@@ -94,9 +92,9 @@ def stream_completion(
             r.read()
             return ids, r.json()["error"]["code"]
         for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+            chunk = sse_chunk(line)
+            if chunk is None:
                 continue
-            chunk = json.loads(line[6:])
             if "error" in chunk:
                 return ids, chunk["error"]["code"]
             for choice in chunk["choices"]:
@@ -186,11 +184,116 @@ API_KEY = "test-key"
 API_MODEL = "qwen3-moe-test"
 
 
-def api_client(s: Server):  # type: ignore[no-untyped-def]
-    """The `openai` client of that server (no retries: a test sees every answer)."""
+def api_client(s: Server, **kw: object):  # type: ignore[no-untyped-def]
+    """The `openai` client of a server (no retries: a test sees every answer), with that
+    server's key (a server started without --api-key takes any); `kw`: more of its options."""
     import openai
 
-    return openai.OpenAI(base_url=s.url + "/v1", api_key=API_KEY, max_retries=0)
+    return openai.OpenAI(base_url=s.url + "/v1", api_key=API_KEY, max_retries=0, **kw)
+
+
+def concurrent_completions(
+    s: Server,
+    model: str,
+    prompts: list,
+    max_tokens: int,
+    timeout: float | None = None,
+    **extra: object,
+) -> list:
+    """Every prompt's greedy completion (token ids returned, `extra` more of the body), sent all
+    at once through the `openai` async client: its answers, in the prompts' order."""
+    import asyncio
+
+    import openai
+
+    kw = {} if timeout is None else {"timeout": timeout}
+    client = openai.AsyncOpenAI(base_url=s.url + "/v1", api_key=API_KEY, max_retries=0, **kw)
+
+    async def run() -> list:
+        return await asyncio.gather(
+            *(
+                client.completions.create(
+                    model=model,
+                    prompt=p,
+                    max_tokens=max_tokens,
+                    temperature=0.0,
+                    extra_body={"return_token_ids": True, **extra},
+                )
+                for p in prompts
+            )
+        )
+
+    return asyncio.run(run())
+
+
+def sse_chunk(line: str, errors: list | None = None) -> dict | None:
+    """The JSON of a stream's `data:` line; None for any other line and for `data: [DONE]`.
+    With `errors`, an error event's error goes there and it is None too."""
+    import json
+
+    if not line.startswith("data: ") or line == "data: [DONE]":
+        return None
+    chunk = json.loads(line[6:])
+    if errors is not None and "error" in chunk:
+        errors.append(chunk["error"])
+        return None
+    return chunk
+
+
+# The test checkpoints' end of turn (tests/checkpoints.py): the EOS the server stops at.
+EOS_TOKEN = "<|im_end|>"
+
+
+def hf_greedy(model, tok, ids: list[int], n: int) -> list[int]:  # type: ignore[no-untyped-def]
+    """transformers' greedy continuation of `ids` (`n` tokens at most), cut before the first
+    EOS: what a greedy completion of `n` tokens returns."""
+    import torch
+
+    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)
+    out = out[0, len(ids) :].tolist()
+    eos = tok.convert_tokens_to_ids(EOS_TOKEN)
+    return out[: out.index(eos)] if eos in out else out
+
+
+# The layout HTTP tests' prompts: four lengths, the longer ones over --chunked-prefill-size 8.
+LAYOUT_PROMPTS = [
+    "The quick brown fox",
+    "Experts route tokens; the router picks the top k experts for every token.",
+    "A paged key value cache",
+    "Mixture of experts models serve many requests at once on many GPUs, and one failed GPU",
+]
+
+# The HTTP tests' chat: a system and a user message.
+CHAT_MESSAGES = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Route the tokens."},
+]
+
+
+def assert_greedy_chat(  # type: ignore[no-untyped-def]
+    s: Server, model: str, tok, messages: list[dict], max_tokens: int, ref: list[int]
+) -> None:
+    """A greedy chat completion of `messages` is `ref` (token ids; transformers' continuation
+    of the chat-templated prompt), its text `ref` decoded, its prompt the templated one."""
+    chat = api_client(s).chat.completions.create(
+        model=model,
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=0,
+        extra_body={"return_token_ids": True},
+    )
+    assert chat.choices[0].model_extra["token_ids"] == ref
+    assert chat.choices[0].message.content == tok.decode(ref, skip_special_tokens=True)
+    assert chat.usage.prompt_tokens == len(chat_prompt_ids(tok, messages))
+
+
+def chat_prompt_ids(tok, messages: list[dict]) -> list[int]:  # type: ignore[no-untyped-def]
+    """The token ids of `messages` in the tokenizer's chat template, with the generation prompt
+    (transformers returns a list or, in some versions, an encoding)."""
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return list(ids)
 
 
 def metric(s: Server, name: str) -> float:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -151,9 +154,6 @@ def test_bench_serve_refuses_bad_setups_in_one_line(tmp_path: Path, capsys) -> N
 def test_bench_prefill_times_every_chunk_of_a_prompt(tmp_path: Path) -> None:
     """kernels/bench_prefill.py on CPU (the tiny model): one time per chunk step of each prompt,
     the last chunk shorter, totals the sum of the chunks."""
-    import subprocess
-    import sys
-
     root = Path(__file__).parents[1]
     out = tmp_path / "prefill.json"
     cmd = [sys.executable, str(root / "kernels" / "bench_prefill.py"), "--model", "tiny",
@@ -167,3 +167,80 @@ def test_bench_prefill_times_every_chunk_of_a_prompt(tmp_path: Path) -> None:
         assert all(t > 0 for t in p["chunk_ms"]) and len(p["totals_ms"]) == 2
         assert p["total_ms"] == pytest.approx(sum(p["chunk_ms"]))
     assert "prompt 200: prefill" in proc.stdout
+
+
+def _run_script(name: str, *args: str) -> subprocess.CompletedProcess:
+    """kernels/NAME run as its users run it, from the repository root."""
+    root = Path(__file__).parents[1]
+    cmd = [sys.executable, str(root / "kernels" / name), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=root)
+
+
+def test_bench_dispatch_runs_on_two_cpu_ranks(tmp_path: Path) -> None:
+    """kernels/bench_dispatch.py on two gloo ranks, tiny shapes: a row per rank and token
+    count, the rows it sent between one and top-k per token, both timings there."""
+    out = tmp_path / "dispatch.json"
+    proc = _run_script("bench_dispatch.py", "--device", "cpu", "--gpus", "2", "--tokens", "8,16",
+                       "--hidden", "32", "--experts", "8", "--top-k", "2", "--iters", "2",
+                       "--warmup", "1", "--json", str(out))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    points = sorted((r["rank"], r["tokens_per_rank"]) for r in rows)
+    assert points == [(0, 8), (0, 16), (1, 8), (1, 16)]
+    for r in rows:
+        assert r["tokens_per_rank"] <= r["rows_sent"] <= 2 * r["tokens_per_rank"]
+        assert 0 <= r["rows_sent_remote"] <= r["rows_sent"]
+        assert r["bytes_moved"] >= r["rows_sent"] * 32 * 2  # bf16 rows out, and back
+        assert r["ours_us"] > 0 and r["raw_us"] > 0 and r["ours_gbps"] > 0 and r["raw_gbps"] > 0
+    assert "| 16 |" in proc.stdout
+
+
+def test_bench_admission_runs_on_two_cpu_ranks(tmp_path: Path) -> None:
+    """kernels/bench_admission.py on two gloo ranks, tiny shapes: under skew the budgeted layer
+    runs in rounds within the budget, the unbudgeted one in none; no memory numbers on CPU."""
+    out = tmp_path / "admission.json"
+    proc = _run_script("bench_admission.py", "--device", "cpu", "--gpus", "2", "--skew-tokens", "64",
+                       "--budget", "16", "--uniform-tokens", "16", "--iters", "2", "--hidden", "32",
+                       "--experts", "8", "--top-k", "2", "--ffn", "16", "--json", str(out))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    by = {}
+    for r in rows:
+        by.setdefault((r["scenario"], r["rank"]), []).append(r)
+    assert sorted(by) == [("skew", 0), ("skew", 1), ("uniform", 0), ("uniform", 1)]
+    for (scenario, _), rs in by.items():
+        assert [r["budget"] for r in rs] == ([16, None] if scenario == "skew" else [32, None] * 2)
+        for r in rs:
+            assert r["layer_us"] > 0 and "oom" not in r and "peak_bytes_above_weights" not in r
+            assert ("rounds" in r) == (r["budget"] is not None)
+    skewed = by[("skew", 0)][0]  # every token of both ranks to rank 0's experts: 128 rows
+    assert skewed["rounds"] >= 128 // 16 and 0 < skewed["recv_peak"] <= 16
+    roomy = [r for rank in (0, 1) for r in by[("uniform", rank)] if r["budget"]]
+    assert len(roomy) == 4 and all(r["rounds"] == 1 for r in roomy)
+    assert "uniform: admission on" in proc.stdout
+
+
+def test_bench_tp_decode_runs_on_two_cpu_ranks(tmp_path: Path) -> None:
+    """kernels/bench_tp_decode.py on a two-rank gloo group of the tiny model: eager decode step
+    times per concurrency (no graphs on CPU), the flags it ran with."""
+    out = tmp_path / "tp_decode.json"
+    proc = _run_script("bench_tp_decode.py", "--device", "cpu", "--model", "tiny", "--dtype",
+                       "float32", "--tp-size", "2", "--ep-size", "2", "--concurrency", "1,2",
+                       "--input-len", "8", "--steps", "3", "--json", str(out))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [(r["mode"], r["concurrency"]) for r in result["rows"]] == [("eager", 1), ("eager", 2)]
+    for r in result["rows"]:
+        assert 0 < r["step_ms_p10"] <= r["step_ms_median"] <= r["step_ms_p90"]
+    assert result["replays"] == {"0": [], "1": []}
+    assert result["args"]["tp_size"] == 2 and result["args"]["json"] == str(out)
+    assert "eager step ms" in proc.stdout
+
+
+def test_a_bench_script_whose_rank_fails_says_which_and_why() -> None:
+    """A rank that raises ends the script (exit 1) with its rank and traceback, nothing hung."""
+    proc = _run_script("bench_tp_decode.py", "--device", "cpu", "--model", "tiny",
+                       "--tp-size", "2", "--ep-size", "3", "--concurrency", "1")  # fmt: skip
+    assert proc.returncode == 1
+    assert re.search(r"^rank [01] failed:\nTraceback", proc.stderr, re.M), proc.stderr[-3000:]
+    assert "--ep-size 3 cannot exceed --tp-size 2" in proc.stderr

@@ -13,7 +13,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "safeserve"
 TIERS: list[set[str]] = [
     {"config", "messages", "ports"},  # flags, cross-process messages, plain helpers
     {"policy"},  # guard policy presets (TOML files of flags)
-    {"kernels", "parallel", "guards", "config_cli"},  # Triton kernels; rank layout and comms
+    # Triton kernels; rank layout and comms; rank processes (spawn)
+    {"kernels", "parallel", "guards", "config_cli", "spawn"},
     {"layers", "moe"},  # the model families' building blocks; the MoE stages
     {"model"},  # families, registry, loader
     {"engine"},  # scheduler, runner, ranks

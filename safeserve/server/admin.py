@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response
 
 from safeserve.messages import FAULT_KINDS, DispatchStats, GuardSizing, InjectFault
 from safeserve.moe.eplb.balancedness import group_balancedness
-from safeserve.server.errors import APIError, bad_request, install_route_errors, require_bearer
+from safeserve.server.errors import APIError, bad_request, install_error_handlers, require_bearer
 from safeserve.server.protocol import decode_json
 from safeserve.server.state import ServerState
 
@@ -161,11 +161,7 @@ def _rss(pid: int | None) -> int | None:
 def build_admin_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="safeserve admin", docs_url=None, redoc_url=None)
 
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError) -> Response:
-        return exc.response()
-
-    install_route_errors(app)
+    install_error_handlers(app)
 
     @app.get("/admin/groups")
     async def groups(request: Request) -> Response:

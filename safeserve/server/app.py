@@ -11,14 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi import FastAPI
 
 from safeserve.config import ServerArgs
 from safeserve.server import protocol as P
 from safeserve.server import schemas as S
 from safeserve.server.body_limit import BodySizeLimit
-from safeserve.server.errors import APIError, install_route_errors
+from safeserve.server.errors import install_error_handlers
 from safeserve.server.openapi import install_openapi
 from safeserve.server.request_count import RequestCounter
 from safeserve.server.routes import install_routes
@@ -43,11 +42,7 @@ def build_app(args: ServerArgs, on_fatal: Callable[[str], None] | None = None) -
     app.add_middleware(RequestCounter, counter=state.metrics.requests, routes=app.router.routes)
     app.state.safeserve = state
 
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError) -> Response:
-        return exc.response()
-
-    install_route_errors(app)
+    install_error_handlers(app)
     install_openapi(
         app,
         [P.CompletionRequest, P.ChatCompletionRequest],

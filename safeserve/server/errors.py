@@ -78,10 +78,14 @@ def unavailable(message: str, retry_after: float = 1.0) -> APIError:
     return APIError(503, message, "service_unavailable", retry_after=retry_after)
 
 
-def install_route_errors(app: FastAPI) -> None:
-    """A path the app does not serve (404), a method it does not take there (405) or a path
-    parameter of the wrong type (400) answers in the same OpenAI error shape as every other
-    error."""
+def install_error_handlers(app: FastAPI) -> None:
+    """An APIError raised anywhere answers as itself; a path the app does not serve (404), a
+    method it does not take there (405) or a path parameter of the wrong type (400) answers in
+    the same OpenAI error shape."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> Response:
+        return exc.response()
 
     @app.exception_handler(HTTPException)
     async def _route_error(request: Request, exc: HTTPException) -> Response:

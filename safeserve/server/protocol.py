@@ -260,6 +260,41 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
+def _body(
+    obj: str,
+    rid: str,
+    model: str,
+    key: str,
+    content: object,
+    finish: str | None,
+    use: dict | None,
+    token_ids: list[int] | None,
+    logprobs: dict | None,
+    empty: bool = False,
+) -> dict:
+    """A completion or chat body, whole or a stream chunk: its one choice carries `content`
+    under `key` ("text", "message" or "delta"); no choice when `empty` (a usage-only chunk),
+    no "usage" when `use` is None."""
+    choice: dict[str, Any] = {
+        "index": 0,
+        key: content,
+        "logprobs": logprobs,
+        "finish_reason": finish,
+    }
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    body: dict[str, Any] = {
+        "id": rid,
+        "object": obj,
+        "created": int(time.time()),
+        "model": model,
+        "choices": [] if empty else [choice],
+    }
+    if use is not None:
+        body["usage"] = use
+    return body
+
+
 def completion_response(
     rid: str,
     model: str,
@@ -269,22 +304,7 @@ def completion_response(
     token_ids: list[int] | None,
     logprobs: dict | None = None,
 ) -> dict:
-    choice: dict[str, Any] = {
-        "index": 0,
-        "text": text,
-        "logprobs": logprobs,
-        "finish_reason": finish,
-    }
-    if token_ids is not None:
-        choice["token_ids"] = token_ids
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [choice],
-        "usage": use,
-    }
+    return _body("text_completion", rid, model, "text", text, finish, use, token_ids, logprobs)
 
 
 def completion_chunk(
@@ -297,24 +317,9 @@ def completion_chunk(
     empty: bool = False,
     logprobs: dict | None = None,
 ) -> dict:
-    chunk: dict[str, Any] = {
-        "id": rid,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-    }
-    choice: dict[str, Any] = {
-        "index": 0,
-        "text": text,
-        "logprobs": logprobs,
-        "finish_reason": finish,
-    }
-    if token_ids is not None:
-        choice["token_ids"] = token_ids
-    chunk["choices"] = [] if empty else [choice]
-    if use is not None:
-        chunk["usage"] = use
-    return chunk
+    return _body(
+        "text_completion", rid, model, "text", text, finish, use, token_ids, logprobs, empty
+    )
 
 
 def chat_response(
@@ -326,22 +331,10 @@ def chat_response(
     token_ids: list[int] | None,
     logprobs: dict | None = None,
 ) -> dict:
-    choice: dict[str, Any] = {
-        "index": 0,
-        "message": {"role": "assistant", "content": text},
-        "logprobs": logprobs,
-        "finish_reason": finish,
-    }
-    if token_ids is not None:
-        choice["token_ids"] = token_ids
-    return {
-        "id": rid,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [choice],
-        "usage": use,
-    }
+    message = {"role": "assistant", "content": text}
+    return _body(
+        "chat.completion", rid, model, "message", message, finish, use, token_ids, logprobs
+    )
 
 
 def chat_chunk(
@@ -354,21 +347,6 @@ def chat_chunk(
     empty: bool = False,
     logprobs: dict | None = None,
 ) -> dict:
-    choice: dict[str, Any] = {
-        "index": 0,
-        "delta": delta,
-        "logprobs": logprobs,
-        "finish_reason": finish,
-    }
-    if token_ids is not None:
-        choice["token_ids"] = token_ids
-    chunk: dict[str, Any] = {
-        "id": rid,
-        "object": "chat.completion.chunk",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [] if empty else [choice],
-    }
-    if use is not None:
-        chunk["usage"] = use
-    return chunk
+    return _body(
+        "chat.completion.chunk", rid, model, "delta", delta, finish, use, token_ids, logprobs, empty
+    )

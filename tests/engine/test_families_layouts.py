@@ -9,13 +9,16 @@ importing torch once instead of for every group is most of this file's time on a
 from __future__ import annotations
 
 import multiprocessing as mp
+import traceback
 
 import pytest
 import torch
 from checkpoints_families import write_mixtral_checkpoint, write_qwen2_moe_checkpoint
-from layouts import LAYOUTS, _group, _rank_main
+from layouts import LAYOUTS, _rank_main
 from serving import free_port
 from transformers import AutoModelForCausalLM
+
+from safeserve.spawn import spawn_ranks
 
 FAMILIES = {"mixtral": write_mixtral_checkpoint, "qwen2_moe": write_qwen2_moe_checkpoint}
 CHUNKS = [5, 6, 1, 1, 3, 1, 1, 1, 1]  # chunked prefill, then decode steps
@@ -37,7 +40,11 @@ def _every_group_rank(rank: int, runs: list[tuple], seqs: list[list[int]], queue
     torch.set_num_threads(1)
     for key, model, layout, init in runs:
         if rank < layout[0]:
-            _rank_main("cpu", model, layout, rank, init, seqs, CHUNKS, _Tagged(queue, key))
+            tagged = _Tagged(queue, key)
+            try:
+                _rank_main("cpu", model, layout, rank, init, seqs, CHUNKS, tagged)
+            except Exception:  # that group's failure; the next runs go on
+                tagged.put(("error", rank, traceback.format_exc()))
 
 
 def _ports(n: int) -> list[int]:
@@ -69,9 +76,11 @@ def results(tmp_path_factory: pytest.TempPathFactory):
     out: dict = {key: ({}, None) for key in keys}
     pending = sum(LAYOUTS[name][0] for _, name in keys)  # one "done" (or error) per rank
     world = max(tp for tp, *_ in LAYOUTS.values())
-    with _group(world, ports[0], _every_group_rank, lambda r, init, q: (r, runs, seqs, q)) as q:
+    with spawn_ranks(
+        world, _every_group_rank, lambda r, init, q: (r, runs, seqs, q), port=ports[0]
+    ) as ranks:
         while pending:
-            key, (a, b, c) = q.get(timeout=180)
+            key, (a, b, c) = ranks.get(timeout=180)
             if a == "error":
                 out[key] = (out[key][0], f"rank {b} failed:\n{c}")
             if a in ("error", "done"):

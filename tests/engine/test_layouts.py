@@ -28,7 +28,7 @@ def test_alltoall_graph_steps_dispatch_as_none_with_the_same_result() -> None:
     loads (balancedness), with tensor-parallel and data-parallel attention."""
     from layouts import run_alltoall_both_ways
 
-    for _rank, results, _ in run_alltoall_both_ways(2, free_port()):
+    for results in run_alltoall_both_ways(2, free_port()):
         for layout in ("tp", "dp"):
             want = torch.tensor(results[layout])
             (eager, m_eager, b_eager), (graph, m_graph, b_graph) = (

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import re
 import signal
@@ -11,9 +10,9 @@ import time
 from pathlib import Path
 
 import httpx
-import openai
 import psutil
 import pytest
+from serving import concurrent_completions
 
 PROMPTS = [
     "Experts route tokens; the router picks the top k experts for every token in the batch. " * 2,
@@ -43,25 +42,8 @@ def _per_rank(metrics: dict, name: str) -> dict[int, float]:
 
 
 def _greedy_all(server, model: str) -> list[list[int]]:
-    client = openai.AsyncOpenAI(
-        base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=300
-    )
-
-    async def run():
-        return await asyncio.gather(
-            *(
-                client.completions.create(
-                    model=model,
-                    prompt=p,
-                    max_tokens=10,
-                    temperature=0.0,
-                    extra_body={"return_token_ids": True, "ignore_eos": True},
-                )
-                for p in PROMPTS
-            )
-        )
-
-    return [r.choices[0].model_extra["token_ids"] for r in asyncio.run(run())]
+    results = concurrent_completions(server, model, PROMPTS, 10, timeout=300, ignore_eos=True)
+    return [r.choices[0].model_extra["token_ids"] for r in results]
 
 
 def _fault(server, body: dict) -> None:

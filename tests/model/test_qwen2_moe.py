@@ -10,7 +10,7 @@ import pytest
 from checkpoints_families import (
     write_qwen2_moe_checkpoint,
 )
-from model_checks import assert_check_names, paged_logits_match_transformers
+from model_checks import assert_check_names, paged_logits_match_transformers, variant_checkpoint
 
 from safeserve.model import registry
 from safeserve.model.config import ModelConfigError
@@ -49,15 +49,8 @@ def good(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_logits_match_transformers_prefill_and_decode(
     variant: str, good: Path, tmp_path: Path
 ) -> None:
-    if variant == "default":
-        ckpt = good
-    else:
-        shard = "20KB" if variant.startswith("sharded") else None
-        ckpt = write_qwen2_moe_checkpoint(
-            tmp_path, seed=4, max_shard_size=shard, **VARIANTS[variant]
-        )
-    if variant.startswith("sharded"):
-        assert (ckpt / "model.safetensors.index.json").exists()
+    write = write_qwen2_moe_checkpoint
+    ckpt = variant_checkpoint(write, good, tmp_path, variant, VARIANTS[variant])
     paged_logits_match_transformers(ckpt)
 
 

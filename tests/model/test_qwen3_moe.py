@@ -7,11 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoints import write_qwen3_moe_checkpoint
-from model_checks import paged_logits
-from transformers import AutoModelForCausalLM
+from model_checks import dummy_load_generates, paged_logits_match_transformers
 
 from safeserve.model.config import ModelConfigError
-from safeserve.model.loader import build_model, load_model_config
+from safeserve.model.loader import build_model
 from safeserve.model.registry import parse_config
 from safeserve.moe.dispatch import LocalDispatcher
 from safeserve.moe.placement import ExpertPlacement
@@ -47,19 +46,7 @@ def test_logits_match_transformers_prefill_and_decode(variant: str, tmp_path: Pa
     ckpt = write_qwen3_moe_checkpoint(tmp_path, seed=3, max_shard_size=shard, **VARIANTS[variant])
     if variant == "sharded":
         assert (ckpt / "model.safetensors.index.json").exists()
-    cfg = load_model_config(str(ckpt))
-    placement = ExpertPlacement(cfg.num_experts)
-    net = build_model(str(ckpt), "auto", "float32", "cpu", LocalDispatcher(placement))
-    hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, cfg.vocab_size, (29,), generator=gen).tolist()
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0]
-    # A prefill in uneven chunks, then single-token decode steps, through scattered blocks.
-    table = [9, 2, 14, 5, 11, 0, 7, 3]
-    ours = paged_logits(net, ids, [7, 12, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1], block_size=4, table=table)
-    assert ours.shape == ref.shape
-    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
+    paged_logits_match_transformers(ckpt)
 
 
 def test_config_rules() -> None:
@@ -82,12 +69,6 @@ def test_config_rules() -> None:
 
 
 def test_dummy_load_format_needs_only_config_json(tmp_path: Path) -> None:
-    import json
-
-    from safeserve.config import ServerArgs
-    from safeserve.engine.engine import Engine
-    from safeserve.messages import SamplingParams
-
     cfg = dict(
         model_type="qwen3_moe",
         vocab_size=300,
@@ -102,17 +83,8 @@ def test_dummy_load_format_needs_only_config_json(tmp_path: Path) -> None:
         num_experts_per_tok=2,
         max_position_embeddings=128,
     )
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    engine = Engine(ServerArgs(model=str(tmp_path), load_format="dummy", seed=5))
-    assert engine.runner.model.layers[0].mlp.experts.w13.abs().sum() > 0  # really initialized
-    engine.add_request(
-        "a", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    )
-    tokens = []
-    while engine.has_work():
-        for o in engine.step():
-            tokens += o.new_token_ids
-    assert len(tokens) == 4 and all(0 <= t < 300 for t in tokens)
+    model = dummy_load_generates(cfg, tmp_path)
+    assert model.layers[0].mlp.experts.w13.abs().sum() > 0  # really initialized
 
 
 def test_fused_projections_alias_the_per_projection_weights() -> None:

@@ -9,26 +9,31 @@ level, logits against transformers (tests/engine/test_deepseek_v3_layouts.py).""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
-import openai
 import pytest
 import torch
 from checkpoints_deepseek_v3 import write_deepseek_v3_checkpoint
 from layouts import layout_args
-from serving import Server, start_server, stop_server, stream_completion
+from serving import (
+    CHAT_MESSAGES,
+    LAYOUT_PROMPTS,
+    Server,
+    api_client,
+    assert_greedy_chat,
+    chat_prompt_ids,
+    concurrent_completions,
+    hf_greedy,
+    start_server,
+    stop_server,
+    stream_completion,
+)
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 HTTP_LAYOUTS = ["tp2-ep2-alltoall", "tp2-ep1-none-dp"]
 MODEL = "tiny"  # the served name (`stream_completion` asks for it)
-PROMPTS = [
-    "The quick brown fox",
-    "Experts route tokens; the router picks the top k experts for every token.",
-    "A paged key value cache",
-    "Mixture of experts models serve many requests at once on many GPUs, and one failed GPU",
-]
+PROMPTS = LAYOUT_PROMPTS
 
 
 @pytest.fixture(scope="module")
@@ -47,10 +52,7 @@ def _greedy(hf, ids: list[int], n: int) -> list[int]:
     model, tok, cache = hf
     key = (tuple(ids), n)
     if key not in cache:
-        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)
-        out = out[0, len(ids) :].tolist()
-        eos = tok.convert_tokens_to_ids("<|im_end|>")
-        cache[key] = out[: out.index(eos)] if eos in out else out
+        cache[key] = hf_greedy(model, tok, ids, n)
     return cache[key]
 
 
@@ -63,37 +65,18 @@ def server(request, ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     stop_server(s.proc)
 
 
-def _client(s: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
-
-
 def test_concurrent_greedy_completions_equal_generate(server: Server, hf) -> None:
     _, tok, _ = hf
     assert max(len(tok(p)["input_ids"]) for p in PROMPTS) > 8  # chunked prefill
-    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
-
-    async def run():
-        return await asyncio.gather(
-            *(
-                client.completions.create(
-                    model=MODEL,
-                    prompt=p,
-                    max_tokens=20,
-                    temperature=0.0,
-                    extra_body={"return_token_ids": True},
-                )
-                for p in PROMPTS
-            )
-        )
-
-    for p, res in zip(PROMPTS, asyncio.run(run()), strict=True):
+    results = concurrent_completions(server, MODEL, PROMPTS, 20)
+    for p, res in zip(PROMPTS, results, strict=True):
         assert res.choices[0].model_extra["token_ids"] == _greedy(hf, tok(p)["input_ids"], 20), p
 
 
 def test_streaming_equals_non_streaming(server: Server, hf) -> None:
     _, tok, _ = hf
     ids = tok(PROMPTS[1])["input_ids"]
-    client = _client(server)
+    client = api_client(server)
     full = client.completions.create(
         model=MODEL, prompt=ids, max_tokens=16, temperature=0, extra_body={"return_token_ids": True}
     )
@@ -110,21 +93,5 @@ def test_streaming_equals_non_streaming(server: Server, hf) -> None:
 
 def test_chat_completion_equals_generate_on_the_chat_template(server: Server, hf) -> None:
     _, tok, _ = hf
-    messages = [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "Route the tokens."},
-    ]
-    chat = _client(server).chat.completions.create(
-        model=MODEL,
-        messages=messages,
-        max_tokens=20,
-        temperature=0,
-        extra_body={"return_token_ids": True},
-    )
-    chat_ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if isinstance(chat_ids, dict) or hasattr(chat_ids, "input_ids"):
-        chat_ids = chat_ids["input_ids"]
-    ref = _greedy(hf, list(chat_ids), 20)
-    assert chat.choices[0].model_extra["token_ids"] == ref
-    assert chat.choices[0].message.content == tok.decode(ref, skip_special_tokens=True)
-    assert chat.usage.prompt_tokens == len(chat_ids)
+    ref = _greedy(hf, chat_prompt_ids(tok, CHAT_MESSAGES), 20)
+    assert_greedy_chat(server, MODEL, tok, CHAT_MESSAGES, 20, ref)

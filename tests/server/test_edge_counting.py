@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from safeserve.server.body_limit import BodySizeLimit
 from safeserve.server.edge import check_content_type
-from safeserve.server.errors import APIError, install_route_errors
+from safeserve.server.errors import APIError, install_error_handlers
 from safeserve.server.metrics import Metrics
 from safeserve.server.request_count import RequestCounter, set_final_status
 
@@ -23,11 +23,7 @@ def _app(metrics: Metrics) -> FastAPI:
     app.add_middleware(BodySizeLimit, max_bytes=100)
     app.add_middleware(RequestCounter, counter=metrics.requests, routes=app.router.routes)
 
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError) -> Response:
-        return exc.response()
-
-    install_route_errors(app)
+    install_error_handlers(app)
 
     @app.post("/v1/echo")
     async def echo(request: Request) -> Response:

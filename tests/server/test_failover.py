@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import re
 import signal
@@ -11,7 +10,7 @@ import time
 
 import httpx
 import pytest
-from serving import two_groups
+from serving import sse_chunk, two_groups
 
 GROUPS = two_groups("--max-model-len", "1024")
 N, TOKENS = 32, 64
@@ -56,11 +55,8 @@ async def _stream_all(url: str, on_started) -> list[dict]:  # type: ignore[no-un
         async with c.stream("POST", url + "/v1/completions", json=_body(_prompts()[i], True)) as r:
             group = int(r.headers["x-safeserve-group"])
             async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    errors.append(chunk["error"])
+                chunk = sse_chunk(line, errors)
+                if chunk is None:
                     continue
                 times.append(time.monotonic())
                 ch = chunk["choices"][0]

@@ -7,7 +7,6 @@ the group comes back."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import time
@@ -17,7 +16,7 @@ import pytest
 import torch
 from checkpoints_deepseek_v3 import write_deepseek_v3_checkpoint
 from checkpoints_families import write_mixtral_checkpoint, write_qwen2_moe_checkpoint
-from serving import admin_groups, metric, start_server, stop_server, two_groups
+from serving import admin_groups, metric, sse_chunk, start_server, stop_server, two_groups
 from transformers import AutoModelForCausalLM
 
 WRITERS = {
@@ -103,11 +102,8 @@ async def _stream_all(url: str, model: str, fault) -> list[dict]:  # type: ignor
             group = int(r.headers["x-safeserve-group"])
             groups.add(group)
             async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    errors.append(chunk["error"])
+                chunk = sse_chunk(line, errors)
+                if chunk is None:
                     continue
                 ids.extend(chunk["choices"][0].get("token_ids") or [])
                 chunks["n"] += 1

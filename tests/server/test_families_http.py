@@ -5,15 +5,23 @@ every layout's logits are checked at the engine level (tests/engine/test_familie
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 
-import openai
 import pytest
 import torch
 from checkpoints_families import write_mixtral_checkpoint, write_qwen2_moe_checkpoint
 from layouts import layout_args
-from serving import Server, start_server, stop_server
+from serving import (
+    CHAT_MESSAGES,
+    Server,
+    api_client,
+    assert_greedy_chat,
+    chat_prompt_ids,
+    concurrent_completions,
+    hf_greedy,
+    start_server,
+    stop_server,
+)
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 WRITERS = {"mixtral": write_mixtral_checkpoint, "qwen2_moe": write_qwen2_moe_checkpoint}
@@ -33,17 +41,7 @@ PROMPTS = [
     "Experts route tokens; the router picks the top k experts for every token.",
     "A paged key value cache stores attention keys",
 ]
-MESSAGES = [
-    {"role": "system", "content": "Be brief."},
-    {"role": "user", "content": "Route the tokens."},
-]
 MAX_TOKENS = 24
-
-
-def _greedy(model, eos: int, ids: list[int]) -> list[int]:  # type: ignore[no-untyped-def]
-    gen = model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False)
-    out = gen[0, len(ids) :].tolist()
-    return out[: out.index(eos)] if eos in out else out
 
 
 @pytest.fixture(scope="module")
@@ -57,14 +55,9 @@ def references(tmp_path_factory: pytest.TempPathFactory) -> dict:
         ckpt = write(tmp_path_factory.mktemp(f"http-{family}"), seed=6)
         model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
         tok = AutoTokenizer.from_pretrained(ckpt)
-        eos = tok.convert_tokens_to_ids("<|im_end|>")
-
-        chat_ids = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True)
-        if isinstance(chat_ids, dict) or hasattr(chat_ids, "input_ids"):
-            chat_ids = chat_ids["input_ids"]
-        chat_ids = list(chat_ids)
-        prompts = [_greedy(model, eos, tok(p)["input_ids"]) for p in PROMPTS]
-        out[family] = (ckpt, tok, prompts, chat_ids, _greedy(model, eos, chat_ids))
+        chat_ids = chat_prompt_ids(tok, CHAT_MESSAGES)
+        prompts = [hf_greedy(model, tok, tok(p)["input_ids"], MAX_TOKENS) for p in PROMPTS]
+        out[family] = (ckpt, tok, prompts, chat_ids, hf_greedy(model, tok, chat_ids, MAX_TOKENS))
     torch.set_num_threads(threads)
     return out
 
@@ -82,30 +75,11 @@ def served(
     stop_server(s.proc)
 
 
-def _client(s: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
-
-
 def test_concurrent_greedy_completions_equal_generate(served) -> None:
     s, (family, tok, refs, _, _) = served
     assert max(len(tok(p)["input_ids"]) for p in PROMPTS) > 8  # a chunked prefill
-    client = openai.AsyncOpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
-
-    async def run():
-        return await asyncio.gather(
-            *(
-                client.completions.create(
-                    model=family,
-                    prompt=p,
-                    max_tokens=MAX_TOKENS,
-                    temperature=0.0,
-                    extra_body={"return_token_ids": True},
-                )
-                for p in PROMPTS
-            )
-        )
-
-    for p, ref, res in zip(PROMPTS, refs, asyncio.run(run()), strict=True):
+    results = concurrent_completions(s, family, PROMPTS, MAX_TOKENS)
+    for p, ref, res in zip(PROMPTS, refs, results, strict=True):
         choice = res.choices[0]
         assert choice.model_extra["token_ids"] == ref, p
         assert choice.text == tok.decode(ref, skip_special_tokens=True)
@@ -114,7 +88,7 @@ def test_concurrent_greedy_completions_equal_generate(served) -> None:
 
 def test_streaming_equals_non_streaming(served) -> None:
     s, (family, _, refs, _, _) = served
-    client = _client(s)
+    client = api_client(s)
     kw = dict(model=family, prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0.0)
     full = client.completions.create(**kw, extra_body={"return_token_ids": True})
     chunks = [
@@ -129,14 +103,5 @@ def test_streaming_equals_non_streaming(served) -> None:
 
 
 def test_chat_completion_equals_generate_on_the_chat_template(served) -> None:
-    s, (family, tok, _, chat_ids, ref) = served
-    chat = _client(s).chat.completions.create(
-        model=family,
-        messages=MESSAGES,
-        max_tokens=MAX_TOKENS,
-        temperature=0,
-        extra_body={"return_token_ids": True},
-    )
-    assert chat.usage.prompt_tokens == len(chat_ids)
-    assert chat.choices[0].model_extra["token_ids"] == ref
-    assert chat.choices[0].message.content == tok.decode(ref, skip_special_tokens=True)
+    s, (family, tok, _, _, ref) = served
+    assert_greedy_chat(s, family, tok, CHAT_MESSAGES, MAX_TOKENS, ref)

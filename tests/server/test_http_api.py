@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import time
@@ -15,7 +14,14 @@ import pytest
 import torch
 from serving import API_KEY as KEY
 from serving import API_MODEL as MODEL
-from serving import Server
+from serving import (
+    CHAT_MESSAGES,
+    Server,
+    assert_greedy_chat,
+    chat_prompt_ids,
+    concurrent_completions,
+    hf_greedy,
+)
 from serving import api_client as _client
 from serving import metric as _metric
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -26,18 +32,6 @@ def hf(ckpt: Path):
     return AutoModelForCausalLM.from_pretrained(
         ckpt, dtype=torch.float32
     ).eval(), AutoTokenizer.from_pretrained(ckpt)
-
-
-def _hf_greedy(hf, prompt_ids: list[int], n: int) -> list[int]:
-    model, tok = hf
-    out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False)[
-        0, len(prompt_ids) :
-    ].tolist()
-    eos = {tok.convert_tokens_to_ids("<|im_end|>")}
-    for i, t in enumerate(out):
-        if t in eos:
-            return out[:i]
-    return out
 
 
 PROMPTS = [
@@ -53,23 +47,9 @@ def test_concurrent_greedy_completions_equal_transformers(server: Server, hf) ->
     _, tok = hf
     prompt_ids = [tok(p)["input_ids"] for p in PROMPTS]
     assert max(len(p) for p in prompt_ids) > 8  # longer than --chunked-prefill-size
-    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
-
-    async def one(p: str):
-        return await client.completions.create(
-            model=MODEL,
-            prompt=p,
-            max_tokens=32,
-            temperature=0.0,
-            extra_body={"return_token_ids": True},
-        )
-
-    async def all_at_once():
-        return await asyncio.gather(*(one(p) for p in PROMPTS))
-
-    results = asyncio.run(all_at_once())
+    results = concurrent_completions(server, MODEL, PROMPTS, 32)
     for ids, res in zip(prompt_ids, results, strict=True):
-        ref = _hf_greedy(hf, ids, 32)
+        ref = hf_greedy(*hf, ids, 32)
         choice = res.choices[0]
         assert choice.model_extra["token_ids"] == ref
         assert choice.text == tok.decode(ref, skip_special_tokens=True)
@@ -84,25 +64,9 @@ def test_token_id_prompt_and_chat_template(server: Server, hf) -> None:
     res = client.completions.create(
         model=MODEL, prompt=ids, max_tokens=16, temperature=0, extra_body={"return_token_ids": True}
     )
-    assert res.choices[0].model_extra["token_ids"] == _hf_greedy(hf, ids, 16)
-    messages = [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "Route the tokens."},
-    ]
-    chat = client.chat.completions.create(
-        model=MODEL,
-        messages=messages,
-        max_tokens=20,
-        temperature=0,
-        extra_body={"return_token_ids": True},
-    )
-    chat_ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if isinstance(chat_ids, dict) or hasattr(chat_ids, "input_ids"):
-        chat_ids = chat_ids["input_ids"]
-    ref = _hf_greedy(hf, list(chat_ids), 20)
-    assert chat.choices[0].model_extra["token_ids"] == ref
-    assert chat.choices[0].message.content == tok.decode(ref, skip_special_tokens=True)
-    assert chat.usage.prompt_tokens == len(chat_ids)
+    assert res.choices[0].model_extra["token_ids"] == hf_greedy(*hf, ids, 16)
+    ref = hf_greedy(*hf, chat_prompt_ids(tok, CHAT_MESSAGES), 20)
+    assert_greedy_chat(server, MODEL, tok, CHAT_MESSAGES, 20, ref)
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])

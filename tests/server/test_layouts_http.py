@@ -2,26 +2,26 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import time
 from pathlib import Path
 
-import openai
 import psutil
 import pytest
 import torch
 from layouts import LAYOUTS, layout_args
-from serving import KV_PRESSURE, preempts_and_loses_nothing, rank_processes
+from serving import (
+    KV_PRESSURE,
+    LAYOUT_PROMPTS,
+    concurrent_completions,
+    hf_greedy,
+    preempts_and_loses_nothing,
+    rank_processes,
+)
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-PROMPTS = [
-    "The quick brown fox",
-    "Experts route tokens; the router picks the top k experts for every token.",
-    "A paged key value cache",
-    "Mixture of experts models serve many requests at once on many GPUs, and one failed GPU",
-]
+PROMPTS = LAYOUT_PROMPTS
 
 
 @pytest.fixture(scope="module")
@@ -31,16 +31,6 @@ def hf(checkpoint: Path):
     ).eval(), AutoTokenizer.from_pretrained(checkpoint)
 
 
-def _greedy(hf, text: str, n: int) -> list[int]:
-    model, tok = hf
-    ids = tok(text)["input_ids"]
-    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)[
-        0, len(ids) :
-    ].tolist()
-    eos = tok.convert_tokens_to_ids("<|im_end|>")
-    return out[: out.index(eos)] if eos in out else out
-
-
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_layout_serves_transformers_greedy(server_factory, checkpoint: Path, hf, name: str) -> None:
     # With 2 attention ranks and dp attention, one request leaves a rank idle for the whole run.
@@ -48,24 +38,11 @@ def test_layout_serves_transformers_greedy(server_factory, checkpoint: Path, hf,
     s = server_factory(
         ["--model", str(checkpoint), "--chunked-prefill-size", "8", *layout_args(name)]
     )
-    client = openai.AsyncOpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
-
-    async def run():
-        return await asyncio.gather(
-            *(
-                client.completions.create(
-                    model=str(checkpoint),
-                    prompt=p,
-                    max_tokens=24,
-                    temperature=0.0,
-                    extra_body={"return_token_ids": True},
-                )
-                for p in prompts
-            )
-        )
-
-    for p, res in zip(prompts, asyncio.run(run()), strict=True):
-        assert res.choices[0].model_extra["token_ids"] == _greedy(hf, p, 24), p
+    model, tok = hf
+    results = concurrent_completions(s, str(checkpoint), prompts, 24)
+    for p, res in zip(prompts, results, strict=True):
+        ref = hf_greedy(model, tok, tok(p)["input_ids"], 24)
+        assert res.choices[0].model_extra["token_ids"] == ref, p
 
 
 def test_alltoall_adjusts_ep_with_one_info_line(server_factory, checkpoint: Path) -> None:

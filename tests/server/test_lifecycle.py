@@ -14,12 +14,12 @@ import openai
 import psutil
 import pytest
 from checkpoints import write_qwen3_moe_checkpoint
-from serving import rank_processes
+from serving import api_client, rank_processes
 
 
 def test_tiny_model_serves_chat_by_default(server_factory) -> None:
     s = server_factory([])
-    client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
+    client = api_client(s)
     assert [m.id for m in client.models.list()] == ["tiny"]
     r = client.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=8
@@ -47,7 +47,7 @@ def test_dead_leader_makes_ready_and_requests_fail_fast(server_factory) -> None:
     )
     leaders = rank_processes(s.proc.pid)
     assert [" ".join(p.cmdline()).strip() for p in leaders] == ["safeserve: group 0 rank 0"]
-    client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=20)
+    client = api_client(s, timeout=20)
     stream = client.completions.create(
         model="tiny", prompt="go", max_tokens=4000, stream=True, extra_body={"ignore_eos": True}
     )

@@ -9,7 +9,6 @@ and a request-borne hard exit (`safeserve_fault: "exit"`) that is quarantined af
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import threading
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from serving import Server, metric, oncall, start_server, stop_server, two_groups
+from serving import Server, metric, oncall, sse_chunk, start_server, stop_server, two_groups
 
 from safeserve.config import ServerArgs
 from safeserve.guards.quarantine import QueryOfDeath, fingerprint
@@ -288,11 +287,8 @@ async def _stream(c: httpx.AsyncClient, url: str, body: dict, out: dict) -> None
     async with c.stream("POST", url + "/v1/completions", json=body) as r:
         out["status"], out["group"] = r.status_code, r.headers.get("x-safeserve-group")
         async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                out["errors"].append(chunk["error"])
+            chunk = sse_chunk(line, out["errors"])
+            if chunk is None:
                 continue
             out["ids"].extend(chunk["choices"][0].get("token_ids") or [])
             out["chunks"] += 1
