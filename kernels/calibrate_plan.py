@@ -69,7 +69,9 @@ def write_calibration(gpu: str, cal: Calibration, memory_bytes: int | None) -> N
         raise SystemExit(f"{GPUS_TOML}: no [{gpu}.calibration] table to replace")
     text = pattern.sub(block, text, count=1)
     if memory_bytes:
-        section = re.compile(rf"(\[{re.escape(gpu)}\]\n(?:[^\[\n][^\n]*\n)*?)memory_bytes = \d[\d_]*")
+        section = re.compile(
+            rf"(\[{re.escape(gpu)}\]\n(?:[^\[\n][^\n]*\n)*?)memory_bytes = \d[\d_]*"
+        )
         text = section.sub(rf"\g<1>memory_bytes = {memory_bytes}", text, count=1)
     GPUS_TOML.write_text(text)
 
