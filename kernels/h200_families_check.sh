@@ -4,14 +4,7 @@
 # Qwen3-30B-A3B, Moonlight-16B-A3B (DeepSeek-V3 architecture) and Mixtral-8x7B shapes, and the
 # MLA decode-attention microbenchmark. Results land in $OUT.
 #   usage: kernels/h200_families_check.sh tests|bench
-set -u -o pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/safeserve-out}
-mkdir -p "$OUT"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD
-fi
+source "$(dirname "$0")/device_env.sh"
 nvidia-smi --query-gpu=name,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$OUT/gpu.txt"
 date -u +%F | tee -a "$OUT/gpu.txt"

@@ -5,14 +5,7 @@
 # see), and on the Moonlight and Mixtral shapes. Bench JSON and full logs (the ranks' KV-sizing
 # lines) land in $OUT; `python kernels/calibrate_plan.py` fits and checks from them.
 #   usage: kernels/h200_plan_check.sh [qwen3|all]
-set -u -o pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/safeserve-out}
-mkdir -p "$OUT"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD
-fi
+source "$(dirname "$0")/device_env.sh"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
 date -u +%F | tee -a "$OUT/gpu.txt"
 bench() {  # name, config dir, concurrency, extra flags

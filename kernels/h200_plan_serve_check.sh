@@ -3,13 +3,7 @@
 # the plan's predicted KV blocks and dispatch budget (1 GPU, default flags, bf16), then a server
 # started with dummy weights, its /admin/groups and /admin/config read, and the server stopped.
 #   usage: kernels/h200_plan_serve_check.sh CONFIG_DIR...   (results in $OUT/plan_serve_*.json)
-set -u -o pipefail
-OUT=${OUT:-/tmp/safeserve-out}
-mkdir -p "$OUT"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD
-fi
+source "$(dirname "$0")/device_env.sh"
 for model in "$@"; do
   name=$(basename "$model")
   python3 -m safeserve.cli plan --model "$model" --gpu h200 --gpus-per-node 1 --concurrency 1,64 \

@@ -4,14 +4,7 @@
 # the budget lasts, the rest keep the heuristic), then `safeserve bench` on each shape with its new
 # table (SAFESERVE_FUSED_MOE_CONFIG). Tables, JSON and logs land in $OUT.
 #   usage: kernels/h200_tune_families.sh   (env MIXTRAL_BUDGET_S, MOONLIGHT_BUDGET_S)
-set -u -o pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/safeserve-out}
-mkdir -p "$OUT"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD
-fi
+source "$(dirname "$0")/device_env.sh"
 TOKENS=1,2,4,8,16,32,64,128,256,512,1024,2048,4096
 tune() {  # name, experts, hidden, inter, top_k, budget
   timeout $(($6 + 120)) python3 kernels/tune_fused_moe.py --experts "$2" --hidden "$3" \
