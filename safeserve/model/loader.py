@@ -22,6 +22,7 @@ from safeserve.model.base import CausalLM
 from safeserve.model.checkpoint import TINY_CONFIG as TINY_CONFIG  # re-exported
 from safeserve.model.checkpoint import LoadError, _Checkpoint, load_model_config
 from safeserve.model.checkpoint import check_checkpoint as check_checkpoint  # re-exported
+from safeserve.model.sharding import routing_source
 from safeserve.model.spec import ExpertSlice, ExpertSource, Slice, WeightSpecs
 from safeserve.moe.dispatch.base import Dispatcher
 from safeserve.moe.layer import write_expert_map
@@ -58,7 +59,8 @@ def build_model(
     moe = [layer.mlp for layer in net.layers if layer.is_moe]
     if moe:
         placement = dispatcher.placement
-        write_expert_map(moe, placement.map_for(cfg.num_experts, len(moe)), placement.ep_rank)
+        m = placement.map_for(cfg.num_experts, len(moe))
+        write_expert_map(moe, m, routing_source(layout))
     # Before filling: the per-projection parameters become views of the fused weights.
     net.fuse_projections()
     specs = registry.weight_specs(cfg, layout, expert_map)

@@ -94,6 +94,15 @@ def expert_split(
     return placement, layout.moe_tp_rank * step, (layout.moe_tp_rank + 1) * step
 
 
+def routing_source(layout: Layout) -> int | None:
+    """Whose send table this rank's routers use (`ExpertMap.send_to`): its own EP rank's with
+    attention data-parallel (each rank routes its own tokens); None, the group's shared one,
+    with tensor-parallel attention, where every rank routes the same tokens and the ranks must
+    choose the same replica for each (the `none` backend computes each rank's slots over every
+    token)."""
+    return layout.ep_rank if layout.dp_attention else None
+
+
 # -- spec pieces ---------------------------------------------------------------------------------
 
 

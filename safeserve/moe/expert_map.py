@@ -7,7 +7,7 @@ as that rank's local slot `p % slots_per_rank` (the convention of DeepSeek's EPL
 between placements is which logical expert each slot holds, per layer (`phy2log`), hence each
 logical expert's replicas (`log2phy`, with their counts `logcnt`) and the replica a rank sends a
 token to (`send_to`: its own rank's replica where it holds one, else a fair seeded spread over
-the replicas).
+the replicas; with tokens on every rank, one shared choice).
 
 Everything is read from here: the routers map logical ids through the rank's send table, the
 dispatchers and the expert runner turn physical ids into ranks and local slots, admission sizes
@@ -165,20 +165,26 @@ class ExpertMap:
 
     # -- which replica a rank sends a token to ---------------------------------------------------
 
-    def send_to(self, layer: int, logical: int, rank: int) -> int:
+    def send_to(self, layer: int, logical: int, rank: int | None) -> int:
         """The physical slot a token on EP rank `rank` choosing `logical` in `layer` goes to:
         the first replica on `rank` where it holds one, else one replica by a fair seeded spread
-        (the ranks holding none take the replicas in turn, from a seeded offset per expert)."""
+        (the ranks holding none take the replicas in turn, from a seeded offset per expert).
+
+        `rank` None: the group's shared choice, for tokens every rank holds and routes alike
+        (tensor-parallel attention: the ranks must agree on each token's replica, or a token
+        would be computed on two): the replica at the seeded offset."""
         return self.send_rows(rank)[layer][logical]
 
-    def send_rows(self, rank: int) -> tuple[tuple[int, ...], ...]:
+    def send_rows(self, rank: int | None) -> tuple[tuple[int, ...], ...]:
         """`send_to` of every (layer, logical expert) for `rank`: `[L][E]` physical slots."""
-        self._check_rank(rank)
-        if rank not in self._send:
-            self._send[rank] = self._send_rows(rank)
-        return self._send[rank]
+        if rank is not None:
+            self._check_rank(rank)
+        key = -1 if rank is None else rank
+        if key not in self._send:
+            self._send[key] = self._send_rows(rank)
+        return self._send[key]
 
-    def _send_rows(self, rank: int) -> tuple[tuple[int, ...], ...]:
+    def _send_rows(self, rank: int | None) -> tuple[tuple[int, ...], ...]:
         rng = random.Random(self.seed)  # one offset per (layer, expert), in that order
         out = []
         for layer in range(self.num_layers):
@@ -186,12 +192,15 @@ class ExpertMap:
             for logical in range(self.num_logical):
                 reps = self._log2phy[layer][logical]
                 offset = rng.randrange(len(reps))
-                holders = {self.rank_of(p) for p in reps}
+                if rank is None:
+                    row.append(reps[offset])
+                    continue
                 own = [p for p in reps if self.rank_of(p) == rank]
                 if own:
                     row.append(own[0])
                     continue
-                # this rank's position among the ranks holding no replica
+                # this rank's turn among the ranks holding no replica
+                holders = {self.rank_of(p) for p in reps}
                 turn = sum(1 for r in range(rank) if r not in holders)
                 row.append(reps[(offset + turn) % len(reps)])
             out.append(tuple(row))
@@ -225,7 +234,7 @@ class ExpertMap:
         counts = [[len(s) for s in experts] for experts in self._log2phy]
         return torch.tensor(counts, dtype=torch.int64).view(self.num_layers, self.num_logical)
 
-    def send_table(self, rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    def send_table(self, rank: int | None, device: torch.device | str = "cpu") -> torch.Tensor:
         """[L, E] int64 on `device`: the physical slot `rank` sends each (layer, expert) to (the
         routers' logical -> physical rows; copy them into persistent buffers, never rebind)."""
         import torch

@@ -85,15 +85,17 @@ class MoELayer(torch.nn.Module):
         )
 
 
-def write_expert_map(layers: Sequence[MoELayer], expert_map: ExpertMap, ep_rank: int) -> None:
-    """Each MoE layer's router row of `ep_rank`'s send table (`layers` in MoE-layer order, one
-    per row of the map), copied in place into the routers' buffers."""
+def write_expert_map(layers: Sequence[MoELayer], expert_map: ExpertMap, source: int | None) -> None:
+    """Each MoE layer's router row of the send table of `source` (this rank's EP rank where it
+    routes its own tokens, None where every rank routes the same ones: `routing_source`),
+    `layers` in MoE-layer order, one per row of the map; copied in place into the routers'
+    buffers."""
     if len(layers) != expert_map.num_layers:
         raise ValueError(
             f"expert map of {expert_map.num_layers} MoE layers for a model of {len(layers)}"
         )
     if not layers:
         return
-    table = expert_map.send_table(ep_rank)
+    table = expert_map.send_table(source)
     for layer, row in zip(layers, table, strict=True):
         layer.gate.set_expert_map(row.to(layer.gate.logical_to_physical.device))
