@@ -115,6 +115,22 @@ def test_send_to_own_rank_first_then_a_fair_spread(seed: int) -> None:
             assert m.send_to(layer, e, 3) == tables[3][layer][e]
 
 
+def test_the_shared_send_table_picks_one_replica_per_expert() -> None:
+    """Tokens on every rank (tensor-parallel attention): one table for all, the seeded pick."""
+    m = _random_map(4, num_logical=6, ep_size=4, slots=3, layers=2)
+    shared = m.send_rows(None)
+    for layer in range(m.num_layers):
+        for e in range(m.num_logical):
+            assert shared[layer][e] in m.replicas(layer, e)
+    assert m.send_table(None).tolist() == [list(r) for r in shared]
+    trivial = ExpertMap.trivial(4, ep_size=2, num_layers=1)
+    assert trivial.send_rows(None) == ((0, 1, 2, 3),)
+    picks = Counter(  # over many seeds, a two-replica expert's pick is either replica
+        ExpertMap.from_phy2log([[0, 1, 0, 2]], 3, 2, seed=s).send_to(0, 0, None) for s in range(40)
+    )
+    assert set(picks) == {0, 2}
+
+
 def test_send_spread_is_deterministic_per_seed() -> None:
     rows = [[0, 1, 2, 3, 0, 0, 1, 1]]  # experts 0 and 1 on 3 slots each; 8 ranks of 1 slot
     a = ExpertMap.from_phy2log(rows, 4, 8, seed=1)
