@@ -275,3 +275,28 @@ def test_loader_reads_each_slots_expert_fused_or_per_expert(experts, is_w13: boo
             _FakeCheckpoint(tensors), dst, ExpertSource("fused", names), piece, full.shape
         )
         assert torch.equal(dst, want)
+
+
+def test_router_rows_are_written_in_place() -> None:
+    """A new map reaches the routers by `copy_` into the buffers they (and captured CUDA graphs)
+    read: the same tensors, new values."""
+    from safeserve.moe.layer import write_expert_map
+    from safeserve.moe.topk import Router, RouterConfig
+
+    class _Moe:  # what write_expert_map reads of an MoE layer
+        def __init__(self) -> None:
+            self.gate = Router(8, 4, RouterConfig(2, True))
+            self.gate.reset_buffers("cpu")
+
+    layers = [_Moe(), _Moe()]
+    buffers = [m.gate.logical_to_physical for m in layers]
+    m = ExpertMap.from_phy2log([[3, 1, 0, 2, 1, 3], [2, 0, 3, 1, 0, 0]], 4, 2)
+    write_expert_map(layers, m, 1)  # type: ignore[arg-type]
+    assert [x.gate.logical_to_physical for x in layers] == buffers  # same objects
+    assert all(x.gate.logical_to_physical is b for x, b in zip(layers, buffers, strict=True))
+    assert torch.equal(torch.stack(buffers), m.send_table(1))
+    assert m.send_table(1)[0].tolist() == [2, 4, 3, 5]  # rank 1 holds slots 3 4 5 = 2 1 3
+    with pytest.raises(ValueError, match="2 MoE layers for a model of 1"):
+        write_expert_map(layers[:1], m, 1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="row of shape"):
+        layers[0].gate.set_expert_map(torch.zeros(5, dtype=torch.int64))
