@@ -146,8 +146,8 @@ def run_engine(args: ServerArgs, opts: BenchOptions, ceiling: float) -> tuple[di
     progress(f"loading {args.model} ({args.load_format}, {args.dtype}) on {args.device}")
     t0 = time.perf_counter()
     runner = ModelRunner(args, capture_cuda_graphs=False)
-    probe = RoutingProbe(
-        runner.model, runner.config.num_experts, runner
+    probe = RoutingProbe.of_runner(
+        runner
     )  # before capture: the hooks must see each graph's outputs
     runner.capture_cuda_graphs()
     progress(

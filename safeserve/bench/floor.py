@@ -44,6 +44,9 @@ class RoutingProbe:
     """
 
     def __init__(self, model: torch.nn.Module, num_experts: int, runner: Any = None) -> None:
+        """`num_experts`: the physical slots per MoE layer (the routers' ids are physical; each
+        slot is its own weights to read, replicas included); a runner's expert map gives them
+        (`of_runner`)."""
         self.runner = runner
         self.num_experts = num_experts
         self.eager: dict[int, torch.Tensor] = {}
@@ -56,6 +59,13 @@ class RoutingProbe:
         for i, layer in enumerate(moe):
             self.handles.append(layer.mlp.gate.register_forward_hook(self._hook(i)))
         self.num_layers = len(moe)
+
+    @staticmethod
+    def of_runner(runner: Any) -> RoutingProbe:
+        """The probe of a `ModelRunner`'s model, over its expert map's physical slots."""
+        m = runner.expert_map
+        slots = m.num_physical if m is not None else runner.config.num_experts
+        return RoutingProbe(runner.model, slots, runner)
 
     def _hook(self, index: int) -> Callable:
         def hook(module: torch.nn.Module, inputs: Any, output: Any) -> None:
@@ -71,7 +81,8 @@ class RoutingProbe:
         return hook
 
     def experts_read(self, batch: int, graph_bucket: int | None) -> list[int]:
-        """Distinct experts of each MoE layer among the real `batch` rows of the last step."""
+        """Distinct physical experts (slots: the weights a step reads) of each MoE layer among
+        the real `batch` rows of the last step."""
         from safeserve.engine.cuda_graph import smallest_bucket
 
         piecewise = getattr(self.runner, "piecewise", None)

@@ -37,8 +37,9 @@ from safeserve.layers.paged_attention import AttentionMetadata
 from safeserve.messages import GuardSizing, RankStats
 from safeserve.model import registry
 from safeserve.model.loader import DTYPES, build_model, load_model_config
-from safeserve.model.sharding import expert_split
+from safeserve.model.sharding import expert_split, moe_layers
 from safeserve.moe.dispatch import StepTokens, make_dispatcher
+from safeserve.moe.expert_map import ExpertMap
 from safeserve.parallel.comm import Comm, Layout
 
 PhaseCallback = Callable[[int, str], None]
@@ -53,7 +54,10 @@ class ModelRunner:
         on_phase: PhaseCallback | None = None,
         capture_cuda_graphs: bool = True,
         device_index: int | None = None,
+        expert_map: ExpertMap | None = None,
     ) -> None:
+        """`expert_map`: where the routed experts live (None: the trivial map, contiguous
+        blocks per EP rank); every reader of the placement on this rank gets it from here."""
         self.args = args
         set_pdl(not args.disable_pdl)  # before any kernel is launched (or captured)
         self.layout = Layout(rank, args.tp_size, args.ep_size, args.enable_dp_attention)
@@ -67,7 +71,11 @@ class ModelRunner:
         self.on_phase = on_phase or (lambda step, phase: None)
         cfg = load_model_config(args.model)
         self.config = cfg
-        placement = expert_split(cfg, self.layout)[0] if cfg.num_experts else None
+        placement = expert_split(cfg, self.layout, expert_map)[0] if cfg.num_experts else None
+        # The one placement of this rank: the map (its layer rows: the model's MoE layers).
+        self.expert_map = (
+            placement.map_for(cfg.num_experts, len(moe_layers(cfg))) if placement else None
+        )
         self.dispatcher = (
             make_dispatcher(args.moe_a2a_backend, placement, self.comm) if placement else None
         )
@@ -93,7 +101,9 @@ class ModelRunner:
         self.kv = KVCache.from_spec(
             self.kv_spec, self.num_blocks, args.block_size, DTYPES[args.dtype], self.device
         )
-        self.buffers = admission_buffers(args, cfg, self.layout, self.device, self.agree_min)
+        self.buffers = admission_buffers(
+            args, cfg, self.layout, self.device, self.agree_min, self.expert_map
+        )
         if self.dispatcher is not None:
             self.dispatcher.buffers = self.buffers
         self.faults = Faults()
@@ -132,7 +142,7 @@ class ModelRunner:
 
     def guard_sizing(self) -> GuardSizing:
         """The numbers the leader sizes prefill chunks from (and /admin/config shows)."""
-        return guard_sizing(self.buffers, self.config, self.layout)
+        return guard_sizing(self.buffers, self.config, self.layout, self.expert_map)
 
     def begin_serving(self) -> None:
         """Called when the group idles (the first time: start-up is over). From then on

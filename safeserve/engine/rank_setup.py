@@ -21,6 +21,7 @@ from safeserve.model.config import ModelConfig
 from safeserve.model.loader import DTYPES
 from safeserve.model.sharding import expert_split
 from safeserve.model.spec import KVSpec
+from safeserve.moe.expert_map import ExpertMap
 from safeserve.parallel.layout import Layout
 
 AgreeMin = Callable[[int], int]
@@ -47,12 +48,14 @@ def admission_buffers(
     layout: Layout,
     device: torch.device,
     agree_min: AgreeMin,
+    expert_map: ExpertMap | None = None,
 ) -> DispatchBuffers | None:
-    """The dispatch buffers preallocated at the receive budget (the same on every rank); None
-    without experts to dispatch to or with admission off (`--dispatch-budget-tokens 0`)."""
+    """The dispatch buffers preallocated at the receive budget (the same on every rank), sized
+    for the local slots of `expert_map` (None: the trivial map); None without experts to
+    dispatch to or with admission off (`--dispatch-budget-tokens 0`)."""
     if not cfg.num_experts or args.dispatch_budget_tokens == 0:
         return None
-    placement, i0, i1 = expert_split(cfg, layout)
+    placement, i0, i1 = expert_split(cfg, layout, expert_map)
     dtype = DTYPES[args.dtype]
     row_bytes = bytes_per_recv_row(
         cfg.hidden_size, i1 - i0, cfg.num_experts_per_tok, placement.experts_per_rank, dtype
@@ -72,7 +75,12 @@ def admission_buffers(
     )
 
 
-def guard_sizing(buffers: DispatchBuffers | None, cfg: ModelConfig, layout: Layout) -> GuardSizing:
+def guard_sizing(
+    buffers: DispatchBuffers | None,
+    cfg: ModelConfig,
+    layout: Layout,
+    expert_map: ExpertMap | None = None,
+) -> GuardSizing:
     """The numbers the leader sizes prefill chunks from (and /admin/config shows)."""
     if buffers is None:
         return GuardSizing()
@@ -81,7 +89,7 @@ def guard_sizing(buffers: DispatchBuffers | None, cfg: ModelConfig, layout: Layo
         bytes_per_recv_row=buffers.row_bytes(),
         attention_groups=layout.dp_size,
         top_k=cfg.num_experts_per_tok,
-        local_experts=expert_split(cfg, layout)[0].experts_per_rank,
+        local_experts=expert_split(cfg, layout, expert_map)[0].experts_per_rank,
     )
     return GuardSizing(buffers.max_recv_tokens, dispatch)
 

@@ -56,7 +56,10 @@ def moe_layer(
     shared: nn.Module | None = None,
     shared_gate: bool = False,
 ) -> MoELayer:
-    placement, i0, i1 = expert_split(cfg, layout)
+    """An MoE block on this rank: its local slots are those of the dispatcher's placement (the
+    rank's view of the expert map)."""
+    placement = dispatcher.placement
+    _, i0, i1 = expert_split(cfg, layout, placement.expert_map)
     return MoELayer(
         cfg.hidden_size,
         i1 - i0,

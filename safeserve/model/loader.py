@@ -22,8 +22,10 @@ from safeserve.model.base import CausalLM
 from safeserve.model.checkpoint import TINY_CONFIG as TINY_CONFIG  # re-exported
 from safeserve.model.checkpoint import LoadError, _Checkpoint, load_model_config
 from safeserve.model.checkpoint import check_checkpoint as check_checkpoint  # re-exported
+from safeserve.model.sharding import routing_source
 from safeserve.model.spec import ExpertSlice, ExpertSource, Slice, WeightSpecs
 from safeserve.moe.dispatch.base import Dispatcher
+from safeserve.moe.layer import write_expert_map
 from safeserve.parallel.comm import Comm, Layout
 
 logger = logging.getLogger(__name__)
@@ -51,9 +53,17 @@ def build_model(
     net = _to_empty(net, device, torch_dtype)
     # Buffers are not parameters: recompute them on the real device.
     net.reset_buffers(device)
+    # The expert map (None: the trivial one) places the routed experts: the routers' rows of
+    # this rank's send table, and the logical expert whose weights each local slot holds.
+    expert_map = dispatcher.placement.expert_map if cfg.num_experts else None
+    moe = [layer.mlp for layer in net.layers if layer.is_moe]
+    if moe:
+        placement = dispatcher.placement
+        m = placement.map_for(cfg.num_experts, len(moe))
+        write_expert_map(moe, m, routing_source(layout))
     # Before filling: the per-projection parameters become views of the fused weights.
     net.fuse_projections()
-    specs = registry.weight_specs(cfg, layout)
+    specs = registry.weight_specs(cfg, layout, expert_map)
     params = dict(net.named_parameters())
     missing = set(params) - set(specs) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
     if missing:
@@ -163,16 +173,21 @@ def _load_experts(
                 f"{source.fused}: checkpoint shape {ckpt.shape(source.fused)} != "
                 f"expected {full_shape}"
             )
-        rows = ckpt.get_slice(source.fused, Slice(0, piece.e0, piece.e1))
-        local = ExpertSlice(0, piece.e1 - piece.e0, piece.i0, piece.i1, piece.width, piece.is_w13)
-        dst.copy_(local.apply(rows))
+        block = piece.contiguous
+        if block is not None:  # one read of the block of rows
+            dst.copy_(piece.narrow(ckpt.get_slice(source.fused, Slice(0, block.start, block.stop))))
+            return
+        for slot, e in enumerate(piece.experts):  # each slot its logical expert's row
+            dst[slot : slot + 1].copy_(
+                piece.narrow(ckpt.get_slice(source.fused, Slice(0, e, e + 1)))
+            )
         return
     width = piece.i1 - piece.i0
-    for local_e, e in enumerate(range(piece.e0, piece.e1)):
+    for slot, e in enumerate(piece.experts):
         names = source.expert_names(e)
         if piece.is_w13:
             gate, up = names
-            dst[local_e, :width].copy_(ckpt.get_slice(gate, Slice(0, piece.i0, piece.i1)))
-            dst[local_e, width:].copy_(ckpt.get_slice(up, Slice(0, piece.i0, piece.i1)))
+            dst[slot, :width].copy_(ckpt.get_slice(gate, Slice(0, piece.i0, piece.i1)))
+            dst[slot, width:].copy_(ckpt.get_slice(up, Slice(0, piece.i0, piece.i1)))
         else:
-            dst[local_e].copy_(ckpt.get_slice(names[0], Slice(1, piece.i0, piece.i1)))
+            dst[slot].copy_(ckpt.get_slice(names[0], Slice(1, piece.i0, piece.i1)))

@@ -14,6 +14,7 @@ from typing import Any
 
 from safeserve.model.config import ModelConfig, ModelConfigError
 from safeserve.model.spec import KVSpec, WeightSpecs
+from safeserve.moe.expert_map import ExpertMap
 from safeserve.parallel.layout import Layout
 
 FAMILIES: dict[str, str] = {
@@ -57,10 +58,12 @@ def parse_config(d: dict[str, Any]) -> ModelConfig:
     return cfg
 
 
-def weight_specs(cfg: ModelConfig, layout: Layout) -> WeightSpecs:
-    """Every parameter of the family's model on this rank (LayoutError where it cannot be
-    laid out so)."""
-    return spec_module(cfg.model_type).weight_specs(cfg, layout)
+def weight_specs(
+    cfg: ModelConfig, layout: Layout, expert_map: ExpertMap | None = None
+) -> WeightSpecs:
+    """Every parameter of the family's model on this rank, its routed experts placed by
+    `expert_map` (None: the trivial map); LayoutError where it cannot be laid out so."""
+    return spec_module(cfg.model_type).weight_specs(cfg, layout, expert_map)
 
 
 def kv_spec(cfg: ModelConfig, layout: Layout) -> KVSpec:

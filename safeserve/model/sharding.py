@@ -3,7 +3,8 @@
 Attention is split by heads across the attention-TP ranks (column-parallel q/k/v, row-parallel o);
 KV heads are split when there are enough, else each rank holds the one its query heads use. Dense
 MLPs (and shared experts) are split by FFN width across attention-TP ranks. Routed experts are
-split by expert blocks across EP ranks and by FFN width across the ranks of one block. Every rank
+placed on EP ranks by the expert map (`moe/expert_map.py`: trivially, contiguous blocks) and
+split by FFN width across the ranks of one EP rank. Every rank
 derives its slices from the same full shapes, so random (dummy) weights and checkpoint weights
 shard the same way.
 """
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 
 from safeserve.model.config import ModelConfig
 from safeserve.model.spec import ExpertSlice, ExpertSource, Slice, WeightSpec, WeightSpecs
+from safeserve.moe.expert_map import ExpertMap
 from safeserve.moe.placement import ExpertPlacement
 from safeserve.parallel.layout import Layout
 
@@ -58,20 +60,47 @@ def dense_split(
     return r * step, (r + 1) * step
 
 
-def expert_split(cfg: ModelConfig, layout: Layout) -> tuple[ExpertPlacement, int, int]:
-    """This rank's experts and the (start, stop) of their FFN width."""
-    if cfg.num_experts % layout.ep_size:
+def moe_layers(cfg: ModelConfig) -> list[int]:
+    """The decoder layers that are MoE layers, in order: row j of the expert map is layer
+    `moe_layers(cfg)[j]`'s."""
+    return [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+
+
+def expert_split(
+    cfg: ModelConfig, layout: Layout, expert_map: ExpertMap | None = None
+) -> tuple[ExpertPlacement, int, int]:
+    """This rank's view of the expert map (None: the trivial map, the experts in contiguous
+    blocks per EP rank) and the (start, stop) of their FFN width."""
+    if expert_map is None:
+        if cfg.num_experts % layout.ep_size:
+            raise LayoutError(
+                f"--ep-size {layout.ep_size} must divide the number of experts {cfg.num_experts}"
+            )
+    elif (expert_map.num_logical, expert_map.ep_size) != (cfg.num_experts, layout.ep_size):
         raise LayoutError(
-            f"--ep-size {layout.ep_size} must divide the number of experts {cfg.num_experts}"
+            f"expert map of {expert_map.num_logical} experts over {expert_map.ep_size} EP ranks "
+            f"for a model of {cfg.num_experts} experts with --ep-size {layout.ep_size}"
         )
     width = cfg.moe_intermediate_size
     if width % layout.moe_tp_size:
         raise LayoutError(
             f"tp_size/ep_size = {layout.moe_tp_size} must divide moe_intermediate_size {width}"
         )
-    placement = ExpertPlacement(cfg.num_experts, layout.ep_size, layout.ep_rank)
+    if expert_map is None:
+        placement = ExpertPlacement(cfg.num_experts, layout.ep_size, layout.ep_rank)
+    else:
+        placement = ExpertPlacement.of(expert_map, layout.ep_rank)
     step = width // layout.moe_tp_size
     return placement, layout.moe_tp_rank * step, (layout.moe_tp_rank + 1) * step
+
+
+def routing_source(layout: Layout) -> int | None:
+    """Whose send table this rank's routers use (`ExpertMap.send_to`): its own EP rank's with
+    attention data-parallel (each rank routes its own tokens); None, the group's shared one,
+    with tensor-parallel attention, where every rank routes the same tokens and the ranks must
+    choose the same replica for each (the `none` backend computes each rank's slots over every
+    token)."""
+    return layout.ep_rank if layout.dp_attention else None
 
 
 # -- spec pieces ---------------------------------------------------------------------------------
@@ -154,23 +183,37 @@ def routed_expert_specs(
     ours: str,
     hf: str,
     names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+    *,
+    layer: int | None = None,
+    expert_map: ExpertMap | None = None,
 ) -> WeightSpecs:
-    """This rank's stacked routed experts `ours + "w13"` [E, 2I, H] and `ours + "w2"` [E, H, I],
-    read per expert (`hf + "{e}." + name + ".weight"`) or from the fused 3-D tensors
-    (`hf + "gate_up_proj"`, `hf + "down_proj"`) where the checkpoint has them."""
-    placement, i0, i1 = expert_split(cfg, layout)
-    e0, e1 = placement.local_start, placement.local_start + placement.experts_per_rank
+    """This rank's stacked routed experts `ours + "w13"` [slots, 2I, H] and `ours + "w2"`
+    [slots, H, I] of decoder layer `layer`, one per local physical slot: the weights of the
+    logical expert the expert map puts there (None: the trivial map), read per expert
+    (`hf + "{e}." + name + ".weight"`) or from the fused 3-D tensors (`hf + "gate_up_proj"`,
+    `hf + "down_proj"`) where the checkpoint has them. Full shapes are over the logical
+    experts."""
+    placement, i0, i1 = expert_split(cfg, layout, expert_map)
+    rows = moe_layers(cfg)
+    if expert_map is None:
+        expert_map = ExpertMap.trivial(cfg.num_experts, layout.ep_size, len(rows))
+        row = 0 if layer is None or not rows else rows.index(layer)
+    elif layer is None:
+        raise ValueError("routed_expert_specs of an expert map needs the decoder layer")
+    else:
+        row = rows.index(layer)
+    experts = expert_map.local_logical(row, placement.ep_rank) if rows else ()
     w, h, n = cfg.moe_intermediate_size, cfg.hidden_size, cfg.num_experts
     gate, up, down = (hf + "{e}." + name + ".weight" for name in names)
     return {
         ours + "w13": WeightSpec(
             (n, 2 * w, h),
-            ExpertSlice(e0, e1, i0, i1, w, True),
+            ExpertSlice(experts, i0, i1, w, True),
             ExpertSource(hf + "gate_up_proj", (gate, up)),
         ),
         ours + "w2": WeightSpec(
             (n, h, w),
-            ExpertSlice(e0, e1, i0, i1, w, False),
+            ExpertSlice(experts, i0, i1, w, False),
             ExpertSource(hf + "down_proj", (down,)),
         ),
     }

@@ -31,19 +31,40 @@ class Slice:
 
 @dataclass(frozen=True)
 class ExpertSlice:
-    """Experts `[e0, e1)`; FFN width `[i0, i1)` of `width` (gate rows then up rows for w13)."""
+    """Per local physical slot, the logical expert whose weights it holds (`experts`, from the
+    expert map: a contiguous block under the trivial map, repeats where experts have replicas);
+    FFN width `[i0, i1)` of `width` (gate rows then up rows for w13)."""
 
-    e0: int
-    e1: int
+    experts: tuple[int, ...]
     i0: int
     i1: int
     width: int
     is_w13: bool
 
+    @property
+    def contiguous(self) -> range | None:
+        """The experts as one ascending block `range(e0, e1)`, where they are one."""
+        e = self.experts
+        if e and e == tuple(range(e[0], e[0] + len(e))):
+            return range(e[0], e[0] + len(e))
+        return None
+
     def apply(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of the full `[E, ...]` stacked weight: its slots' experts, its
+        width."""
         import torch
 
-        experts = full[self.e0 : self.e1]
+        block = self.contiguous
+        if block is not None:
+            experts = full[block.start : block.stop]
+        else:
+            experts = full[torch.tensor(self.experts, dtype=torch.int64, device=full.device)]
+        return self.narrow(experts)
+
+    def narrow(self, experts: torch.Tensor) -> torch.Tensor:
+        """This rank's FFN width of stacked experts `[n, ...]` (of the full width)."""
+        import torch
+
         if self.is_w13:
             return torch.cat(
                 [

@@ -9,12 +9,13 @@ scales their output by sigmoid(gate(x)).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
 from safeserve.moe.dispatch.base import Dispatcher, DispatchOutput
 from safeserve.moe.dispatch.local import LocalDispatcher
+from safeserve.moe.expert_map import ExpertMap
 from safeserve.moe.placement import ExpertPlacement
 from safeserve.moe.runner import ExpertRunner
 from safeserve.moe.topk import Router, RouterConfig
@@ -37,6 +38,7 @@ class MoELayer(torch.nn.Module):
         super().__init__()
         self.placement = placement
         self.gate = Router(hidden_size, num_experts, router)
+        # one stacked weight per local physical slot (its logical expert's, as the loader fills)
         self.experts = ExpertRunner(placement.experts_per_rank, hidden_size, intermediate_size)
         self.dispatcher = dispatcher
         self.on_phase: Callable[[str], None] | None = None  # heartbeat hook of the rank
@@ -81,3 +83,19 @@ class MoELayer(torch.nn.Module):
             and hidden_states.is_cuda
             and (budget is None or hidden_states.shape[0] <= budget)
         )
+
+
+def write_expert_map(layers: Sequence[MoELayer], expert_map: ExpertMap, source: int | None) -> None:
+    """Each MoE layer's router row of the send table of `source` (this rank's EP rank where it
+    routes its own tokens, None where every rank routes the same ones: `routing_source`),
+    `layers` in MoE-layer order, one per row of the map; copied in place into the routers'
+    buffers."""
+    if len(layers) != expert_map.num_layers:
+        raise ValueError(
+            f"expert map of {expert_map.num_layers} MoE layers for a model of {len(layers)}"
+        )
+    if not layers:
+        return
+    table = expert_map.send_table(source)
+    for layer, row in zip(layers, table, strict=True):
+        layer.gate.set_expert_map(row.to(layer.gate.logical_to_physical.device))

@@ -91,7 +91,8 @@ class Router(torch.nn.Module):
             if cfg.correction_bias
             else None
         )
-        # Logical -> physical expert id; identity until a load balancer moves experts.
+        # Logical -> physical expert id: this layer's row of the rank's send table (the expert
+        # map's `send_table`), written in place by `set_expert_map`; identity until then.
         self.register_buffer("logical_to_physical", torch.arange(num_experts), persistent=False)
         # Fault injection (route_skew): the first expert every token is sent to, -1 = off. A
         # device tensor that the router kernels read at run time, so captured CUDA graphs
@@ -110,6 +111,16 @@ class Router(torch.nn.Module):
                 p = getattr(self, name)
                 if p is not None and p.dtype != torch.float32:
                     setattr(self, name, torch.nn.Parameter(p.detach().float(), requires_grad=False))
+
+    def set_expert_map(self, row: torch.Tensor) -> None:
+        """Writes this layer's logical -> physical row ([E] physical slots) into the buffer the
+        router kernels read, in place: captured CUDA graphs follow it."""
+        if row.shape != self.logical_to_physical.shape:
+            raise ValueError(
+                f"expert map row of shape {tuple(row.shape)} for a router of "
+                f"{self.logical_to_physical.shape[0]} experts"
+            )
+        self.logical_to_physical.copy_(row)
 
     @property
     def skew_expert(self) -> int | None:

@@ -28,7 +28,7 @@ def held_shape(spec: WeightSpec) -> list[int]:
     shape = list(spec.shape)
     piece = spec.piece
     if isinstance(piece, ExpertSlice):
-        shape[0] = piece.e1 - piece.e0
+        shape[0] = len(piece.experts)
         if piece.is_w13:
             shape[1] = 2 * (piece.i1 - piece.i0)
         else:
@@ -97,7 +97,7 @@ class ModelFacts:
                 n = held_numel(spec) * (4 if spec.float32 else self.itemsize)
             total += n
             if isinstance(spec.piece, ExpertSlice):
-                local = spec.piece.e1 - spec.piece.e0
+                local = len(spec.piece.experts)
                 layer = name.rsplit(".", 1)[0]
                 per_layer[layer] = per_layer.get(layer, 0) + n // local
                 continue

@@ -24,6 +24,7 @@ from safeserve.guards.sizing import (
 from safeserve.messages import PrefillSizing
 from safeserve.model.registry import check_layout
 from safeserve.model.sharding import LayoutError, expert_split
+from safeserve.moe.expert_map import ExpertMap
 from safeserve.parallel.layout import Layout
 from safeserve.plan.arithmetic import (
     a2a_bytes,
@@ -285,12 +286,12 @@ def predict(
             if probs is None:
                 local = expected_union([p_chosen_uniform(e, k)] * rb.local_experts, per_group)
                 experts = local
-            else:  # the busiest rank under the contiguous placement, layer by layer
-                per_rank = e // w
+            else:  # the busiest rank under the trivial expert map, layer by layer
+                placed = ExpertMap.trivial(e, w, len(probs))
                 total = max(
                     sum(
-                        expected_union(layer[r * per_rank : (r + 1) * per_rank], per_group)
-                        for layer in probs
+                        expected_union([layer[x] for x in placed.local_logical(i, r)], per_group)
+                        for i, layer in enumerate(probs)
                     )
                     for r in range(w)
                 )

@@ -28,6 +28,7 @@ from safeserve.model.sharding import (
     whole,
 )
 from safeserve.model.spec import KVSpec, Slice, WeightSpec, WeightSpecs
+from safeserve.moe.expert_map import ExpertMap
 from safeserve.parallel.layout import Layout
 
 MODEL = "safeserve.model.deepseek_v3.model:DeepseekV3ForCausalLM"
@@ -211,7 +212,9 @@ def mla_specs(cfg: DeepseekV3Config, layout: Layout, ours: str, hf: str) -> Weig
     return specs
 
 
-def weight_specs(cfg: ModelConfig, layout: Layout) -> WeightSpecs:
+def weight_specs(
+    cfg: ModelConfig, layout: Layout, expert_map: ExpertMap | None = None
+) -> WeightSpecs:
     assert isinstance(cfg, DeepseekV3Config)
     specs = embedding_specs(cfg)
     h, e = cfg.hidden_size, cfg.num_experts
@@ -228,7 +231,14 @@ def weight_specs(cfg: ModelConfig, layout: Layout) -> WeightSpecs:
         specs[ours + gate + "e_score_correction_bias"] = whole(
             (e,), hf + gate + "e_score_correction_bias", float32=True
         )
-        specs |= routed_expert_specs(cfg, layout, ours + "mlp.experts.", hf + "mlp.experts.")
+        specs |= routed_expert_specs(
+            cfg,
+            layout,
+            ours + "mlp.experts.",
+            hf + "mlp.experts.",
+            layer=i,
+            expert_map=expert_map,
+        )
         if cfg.n_shared_experts:
             specs |= dense_mlp_specs(
                 cfg,

@@ -20,6 +20,7 @@ from safeserve.model.sharding import (
     whole,
 )
 from safeserve.model.spec import KVSpec, WeightSpecs
+from safeserve.moe.expert_map import ExpertMap
 from safeserve.parallel.layout import Layout
 
 MODEL = "safeserve.model.mixtral.model:MixtralForCausalLM"
@@ -48,7 +49,9 @@ def parse_config(d: dict[str, Any]) -> ModelConfig:
     )
 
 
-def weight_specs(cfg: ModelConfig, layout: Layout) -> WeightSpecs:
+def weight_specs(
+    cfg: ModelConfig, layout: Layout, expert_map: ExpertMap | None = None
+) -> WeightSpecs:
     specs = embedding_specs(cfg)
     h = cfg.hidden_size
     for i in range(cfg.num_hidden_layers):
@@ -59,7 +62,13 @@ def weight_specs(cfg: ModelConfig, layout: Layout) -> WeightSpecs:
         moe = hf + "block_sparse_moe."
         specs[ours + "mlp.gate.weight"] = whole((cfg.num_experts, h), moe + "gate.weight")
         specs |= routed_expert_specs(
-            cfg, layout, ours + "mlp.experts.", moe + "experts.", names=("w1", "w3", "w2")
+            cfg,
+            layout,
+            ours + "mlp.experts.",
+            moe + "experts.",
+            names=("w1", "w3", "w2"),
+            layer=i,
+            expert_map=expert_map,
         )
     return specs
 

@@ -23,6 +23,7 @@ from safeserve.model.sharding import (
     whole,
 )
 from safeserve.model.spec import KVSpec, WeightSpecs
+from safeserve.moe.expert_map import ExpertMap
 from safeserve.parallel.layout import Layout
 
 MODEL = "safeserve.model.qwen2_moe.model:Qwen2MoeForCausalLM"
@@ -49,7 +50,9 @@ def parse_config(d: dict[str, Any]) -> Qwen2MoeConfig:
     )
 
 
-def weight_specs(cfg: ModelConfig, layout: Layout) -> WeightSpecs:
+def weight_specs(
+    cfg: ModelConfig, layout: Layout, expert_map: ExpertMap | None = None
+) -> WeightSpecs:
     assert isinstance(cfg, Qwen2MoeConfig)
     specs = embedding_specs(cfg)
     h = cfg.hidden_size
@@ -64,7 +67,14 @@ def weight_specs(cfg: ModelConfig, layout: Layout) -> WeightSpecs:
             specs |= dense_mlp_specs(cfg, layout, ours + "mlp.", hf + "mlp.")
             continue
         specs[ours + "mlp.gate.weight"] = whole((cfg.num_experts, h), hf + "mlp.gate.weight")
-        specs |= routed_expert_specs(cfg, layout, ours + "mlp.experts.", hf + "mlp.experts.")
+        specs |= routed_expert_specs(
+            cfg,
+            layout,
+            ours + "mlp.experts.",
+            hf + "mlp.experts.",
+            layer=i,
+            expert_map=expert_map,
+        )
         specs |= dense_mlp_specs(
             cfg,
             layout,

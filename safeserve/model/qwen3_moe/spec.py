@@ -19,6 +19,7 @@ from safeserve.model.sharding import (
     whole,
 )
 from safeserve.model.spec import KVSpec, WeightSpecs
+from safeserve.moe.expert_map import ExpertMap
 from safeserve.parallel.layout import Layout
 
 MODEL = "safeserve.model.qwen3_moe.model:Qwen3MoeForCausalLM"
@@ -32,7 +33,9 @@ def parse_config(d: dict[str, Any]) -> Qwen3MoeConfig:
     return Qwen3MoeConfig(**ModelConfig.common(d), **SparseStepConfig.sparse_fields(d))
 
 
-def weight_specs(cfg: ModelConfig, layout: Layout) -> WeightSpecs:
+def weight_specs(
+    cfg: ModelConfig, layout: Layout, expert_map: ExpertMap | None = None
+) -> WeightSpecs:
     specs = embedding_specs(cfg)
     h = cfg.hidden_size
     for i in range(cfg.num_hidden_layers):
@@ -42,7 +45,14 @@ def weight_specs(cfg: ModelConfig, layout: Layout) -> WeightSpecs:
             specs[ours + norm + ".weight"] = whole((h,), hf + norm + ".weight")
         if cfg.is_moe_layer(i):
             specs[ours + "mlp.gate.weight"] = whole((cfg.num_experts, h), hf + "mlp.gate.weight")
-            specs |= routed_expert_specs(cfg, layout, ours + "mlp.experts.", hf + "mlp.experts.")
+            specs |= routed_expert_specs(
+                cfg,
+                layout,
+                ours + "mlp.experts.",
+                hf + "mlp.experts.",
+                layer=i,
+                expert_map=expert_map,
+            )
         else:
             specs |= dense_mlp_specs(cfg, layout, ours + "mlp.", hf + "mlp.")
     return specs

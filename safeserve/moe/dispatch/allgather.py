@@ -20,13 +20,6 @@ from safeserve.moe.topk import TopKOutput
 from safeserve.parallel.comm import Comm
 
 
-def to_local_ids(topk_ids: torch.Tensor, placement: ExpertPlacement) -> torch.Tensor:
-    """Physical ids -> this rank's local expert index, -1 for experts held elsewhere."""
-    local = topk_ids - placement.local_start
-    held = (local >= 0) & (local < placement.experts_per_rank)
-    return torch.where(held, local, torch.full_like(local, -1))
-
-
 @dataclass
 class _State:
     hidden: torch.Tensor
@@ -39,6 +32,8 @@ class _State:
 
 class AllGatherDispatcher(Dispatcher):
     def __init__(self, placement: ExpertPlacement, comm: Comm) -> None:
+        """`placement`: this rank's view of the expert map (which rank holds each physical
+        slot, and this rank's local slot of it)."""
         self.placement = placement
         self.comm = comm
 
@@ -75,7 +70,7 @@ class AllGatherDispatcher(Dispatcher):
             w = self.comm.all_gather_rows(w, sizes)
         if self.placement.ep_size > 1:  # every rank sees the round's whole routing
             # A scatter, not torch.bincount: no host sync, so the step can be a CUDA graph.
-            dest = (ids // self.placement.experts_per_rank).reshape(-1).long()
+            dest = self.placement.rank_of(ids).reshape(-1).long()
             loads = torch.zeros(self.placement.ep_size, dtype=torch.int64, device=ids.device)
             loads.scatter_add_(0, dest.clamp(min=0), (dest >= 0).long())  # -1: dropped
             state.loads = loads if state.loads is None else state.loads + loads
@@ -83,7 +78,7 @@ class AllGatherDispatcher(Dispatcher):
         if buf_x is not None:
             buf_x.copy_(x)
             x = buf_x
-        return DispatchOutput(x, to_local_ids(ids, self.placement), w, round_index)
+        return DispatchOutput(x, self.placement.to_local_ids(ids), w, round_index)
 
     def combine(self, state: _State, round_index: int, combine_input: CombineInput) -> None:
         y = self.comm.all_reduce(combine_input.hidden_states)

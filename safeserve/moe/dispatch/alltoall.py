@@ -78,8 +78,7 @@ class AllToAllDispatcher(AllGatherDispatcher):
             rows = slice(start, start + shares[rank])
             hidden_states, ids, weights = hidden_states[rows], ids[rows], weights[rows]
         num_local = hidden_states.shape[0]
-        per_rank = self.placement.experts_per_rank
-        dest = ids // per_rank  # [n, k] destination rank of each choice
+        dest = self.placement.rank_of(ids)  # [n, k] destination rank of each choice
         hit = torch.zeros(num_local, world, dtype=torch.bool, device=ids.device)
         hit.scatter_(1, dest, True)
         # Per destination: the rows it receives and the (token, expert) pairs it computes (its
@@ -98,7 +97,7 @@ class AllToAllDispatcher(AllGatherDispatcher):
         chosen = order[: sum(counts[rank])]
         dest_rank, send_rows = chosen // num_local, chosen % num_local
         mine = dest[send_rows] == dest_rank[:, None]
-        local_ids = torch.where(mine, ids[send_rows] - dest_rank[:, None] * per_rank, -1)
+        local_ids = torch.where(mine, self.placement.local_slot(ids[send_rows]), -1)
         # Routing travels as float32 columns (ids are exact in float32 up to 2**24).
         meta = torch.cat([weights[send_rows].to(torch.float32), local_ids.to(torch.float32)], dim=1)
         budget = self.budget or max(

@@ -17,6 +17,7 @@ import torch
 
 from safeserve.guards.admission import DispatchBuffers
 from safeserve.moe.eplb.balancedness import BalancednessRecorder
+from safeserve.moe.placement import ExpertPlacement
 from safeserve.moe.topk import TopKOutput
 
 
@@ -24,8 +25,8 @@ from safeserve.moe.topk import TopKOutput
 class DispatchOutput:
     """Rows this rank must run its local experts on (one round).
 
-    `topk_ids` holds local expert indices (0 .. experts_per_rank-1), or -1 for a choice whose
-    expert lives on another rank; the runner skips those. With admission on, `hidden_states`
+    `topk_ids` holds local slot indices (0 .. experts_per_rank-1), or -1 for a choice whose
+    physical slot lives on another rank; the runner skips those. With admission on, `hidden_states`
     is a view of the preallocated receive buffer and `workspace` holds the rest of them.
     """
 
@@ -68,6 +69,8 @@ Experts = Callable[[DispatchOutput], CombineInput]
 class Dispatcher(ABC):
     """Moves tokens to their experts' ranks and the results back, in rounds that fit."""
 
+    # This rank's view of the expert map: the rank of each physical slot, its local slots.
+    placement: ExpertPlacement
     step: StepTokens | None = None
     buffers: DispatchBuffers | None = None  # None: admission off (one round, no budget)
     # Rows each source rank sends each destination rank in the last dispatch: the numbers the

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from safeserve.moe.eplb.balancedness import WINDOWS, BalancednessRecorder
+from safeserve.moe.expert_map import ExpertMap
 
 
 class ExpertDistributionRecorder:
@@ -54,6 +55,20 @@ class ExpertDistributionRecorder:
         self._passes = 0
         self._balance = BalancednessRecorder()
         self._balance_passes = 0  # passes already folded into _balance
+
+    @staticmethod
+    def for_map(
+        expert_map: ExpertMap, device: torch.device | str = "cpu", *, enabled: bool = True
+    ) -> ExpertDistributionRecorder:
+        """A recorder of `expert_map`'s layers and physical slots (its ranks' blocks of slots:
+        the per-rank loads of the balancedness)."""
+        return ExpertDistributionRecorder(
+            expert_map.num_layers,
+            expert_map.num_physical,
+            expert_map.slots_per_rank,
+            device,
+            enabled=enabled,
+        )
 
     @property
     def passes(self) -> int:
@@ -113,7 +128,8 @@ class ExpertDistributionRecorder:
 def physical_to_logical_counts(
     physical_count: torch.Tensor, physical_to_logical: torch.Tensor, num_logical_experts: int
 ) -> torch.Tensor:
-    """[L, E] tokens per logical expert from [L, P] per physical slot: the sum over its replicas."""
+    """[L, E] tokens per logical expert from [L, P] per physical slot: the sum over its replicas
+    (`physical_to_logical`: an expert map's `phy2log_tensor()`)."""
     if physical_count.dim() != 2 or physical_count.shape != physical_to_logical.shape:
         raise ValueError(
             f"physical counts {tuple(physical_count.shape)} and physical_to_logical "
