@@ -7,13 +7,13 @@ attention data-parallel each rank sends to its own replicas first."""
 from __future__ import annotations
 
 import multiprocessing as mp
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
-from layouts import CHUNKS, LAYOUTS, _group, layout_reference
-from serving import free_port
+from layouts import CHUNKS, LAYOUTS, layout_reference, layout_server_args
+
+from safeserve.spawn import spawn_ranks
 
 pytestmark = pytest.mark.slow  # starts rank processes
 
@@ -32,73 +32,58 @@ def _rank_main(
     seqs: list[list[int]],
     queue: mp.Queue,
 ) -> None:
-    try:
-        from safeserve.config import ServerArgs
-        from safeserve.engine.model_runner import ModelRunner
-        from safeserve.engine.plan import SeqPlan, StepPlan
-        from safeserve.messages import SamplingParams
-        from safeserve.moe.expert_map import ExpertMap
+    """One rank of `_run` (spawned by safeserve.spawn, which reports it if it raises)."""
+    from safeserve.engine.model_runner import ModelRunner
+    from safeserve.engine.plan import SeqPlan, StepPlan
+    from safeserve.messages import SamplingParams
+    from safeserve.moe.expert_map import ExpertMap
 
-        tp, ep, backend, dp = layout
-        args = ServerArgs(
-            model=model,
-            tp_size=tp,
-            ep_size=ep,
-            moe_a2a_backend=backend,
-            enable_dp_attention=dp,
-            num_kv_blocks=64,
-            block_size=4,
-            device="cpu",
-        )
-        m = None if phy2log is None else ExpertMap.from_phy2log(phy2log, 8, ep, seed=7)
-        runner = ModelRunner(args, rank, init, expert_map=m)
-        assert runner.expert_map is not None
-        local = runner.expert_map.slots_per_rank
-        for layer in runner.model.layers:
-            if layer.is_moe:
-                assert layer.mlp.experts.w13.shape[0] == local
-        dp_size = tp if dp else 1
-        tables = {
-            i: list(range(16 * (i // dp_size), 16 * (i // dp_size) + 16)) for i in range(len(seqs))
-        }
-        pos, step = 0, 0
-        for n in CHUNKS:
-            per_rank: list[list[SeqPlan]] = [[] for _ in range(dp_size)]
-            owners = []
-            for i, ids in enumerate(seqs):
-                if pos >= len(ids):
-                    continue
-                piece = ids[pos : pos + n]
-                per_rank[i % dp_size].append(
-                    SeqPlan(piece, pos, tables[i], SamplingParams(temperature=0.0), 0)
-                )
-                owners.append((i % dp_size, i, pos + len(piece) - 1))
-            step += 1
-            logits, _ = runner.run_plan(StepPlan(step, per_rank))
-            if logits is not None:
-                mine = [(i, p) for r, i, p in owners if r == (rank if dp else 0)]
-                for (i, p), row in zip(mine, logits, strict=True):
-                    queue.put((i, p, row.float().cpu().tolist()))
-            pos += n
-        queue.put(("done", rank, None))
-        runner.comm.shutdown()
-    except Exception:
-        queue.put(("error", rank, traceback.format_exc()))
+    tp, ep, _, dp = layout
+    args = layout_server_args(model, layout, num_kv_blocks=64, block_size=4, device="cpu")
+    m = None if phy2log is None else ExpertMap.from_phy2log(phy2log, 8, ep, seed=7)
+    runner = ModelRunner(args, rank, init, expert_map=m)
+    assert runner.expert_map is not None
+    local = runner.expert_map.slots_per_rank
+    for layer in runner.model.layers:
+        if layer.is_moe:
+            assert layer.mlp.experts.w13.shape[0] == local
+    dp_size = tp if dp else 1
+    tables = {
+        i: list(range(16 * (i // dp_size), 16 * (i // dp_size) + 16)) for i in range(len(seqs))
+    }
+    pos, step = 0, 0
+    for n in CHUNKS:
+        per_rank: list[list[SeqPlan]] = [[] for _ in range(dp_size)]
+        owners = []
+        for i, ids in enumerate(seqs):
+            if pos >= len(ids):
+                continue
+            piece = ids[pos : pos + n]
+            per_rank[i % dp_size].append(
+                SeqPlan(piece, pos, tables[i], SamplingParams(temperature=0.0), 0)
+            )
+            owners.append((i % dp_size, i, pos + len(piece) - 1))
+        step += 1
+        logits, _ = runner.run_plan(StepPlan(step, per_rank))
+        if logits is not None:
+            mine = [(i, p) for r, i, p in owners if r == (rank if dp else 0)]
+            for (i, p), row in zip(mine, logits, strict=True):
+                queue.put((i, p, row.float().cpu().tolist()))
+        pos += n
+    queue.put(("done", rank, None))
+    runner.comm.shutdown()
 
 
 def _run(model: Path, name: str, phy2log: list[list[int]] | None, seqs: list[list[int]]) -> dict:
     layout = LAYOUTS[name]
     out, done = {}, 0
-    with _group(
+    with spawn_ranks(
         layout[0],
-        free_port(),
         _rank_main,
         lambda r, init, q: (str(model), layout, phy2log, r, init, seqs, q),
-    ) as queue:
+    ) as ranks:
         while done < layout[0]:
-            a, b, c = queue.get(timeout=180)
-            if a == "error":
-                raise RuntimeError(f"rank {b} failed:\n{c}")
+            a, b, c = ranks.get(timeout=180)
             if a == "done":
                 done += 1
                 continue
