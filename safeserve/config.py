@@ -20,6 +20,7 @@ LOAD_FORMATS = ("auto", "dummy")
 A2A_BACKENDS = ("none", "alltoall", "deepep")
 TINY_MODEL = "tiny"
 PREFILL_SIZINGS = ("worst", "observed")
+BALANCEDNESS_REPORT_MODES = ("off", "log", "prometheus", "both")
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
@@ -114,6 +115,51 @@ class ServerArgs:
     )
     enable_dp_attention: bool = _flag(
         False, "Each rank runs attention for its own requests.", "parallel"
+    )
+
+    # -- expert-parallel load balancing -------------------------------------------------------
+    enable_eplb: bool = _flag(
+        False,
+        "Rebalance the expert placement from the recorded routing every "
+        "--eplb-rebalance-num-iterations passes, moving expert weights between the group's ranks "
+        "a chunk of layers per pass. Needs --ep-size equal to --tp-size, at least 2.",
+        "eplb",
+    )
+    ep_num_redundant_experts: int = _flag(
+        0,
+        "Extra physical expert slots per MoE layer (over the group's EP ranks), each holding a "
+        "replica of a heavily used expert; logical + redundant must divide over --ep-size.",
+        "eplb",
+    )
+    eplb_rebalance_num_iterations: int = _flag(
+        1000, "Forward passes between two rebalance checks.", "eplb"
+    )
+    eplb_rebalance_layers_per_chunk: int = _flag(
+        1,
+        "MoE layers whose expert weights move in one pass of a rebalance (the rest move in the "
+        "passes that follow, so no single step carries the whole move).",
+        "eplb",
+    )
+    eplb_min_rebalancing_utilization_threshold: float = _flag(
+        1.0,
+        "A rebalance check moves nothing when the balancedness of the passes since the last "
+        "check is above this (in (0, 1]; 1.0: always rebalance).",
+        "eplb",
+    )
+    init_expert_location: str = _flag(
+        "trivial",
+        "Starting expert placement: 'trivial' (experts in contiguous blocks per EP rank, redundant "
+        "slots replicating experts 0, 1, ...), or a file: a dumped expert distribution "
+        "(POST /admin/expert_distribution/dump), placed by the EPLB algorithm, or a "
+        "physical-to-logical map (GET /admin/eplb/map).",
+        "eplb",
+    )
+    expert_balancedness_report_mode: str = _flag(
+        "prometheus",
+        "Where the expert-load balancedness goes: off, log (one line per rebalance check and every "
+        "--eplb-rebalance-num-iterations passes), prometheus (safeserve:eplb_balancedness), both.",
+        "eplb",
+        choices=BALANCEDNESS_REPORT_MODES,
     )
 
     # -- performance ---------------------------------------------------------------------------
@@ -329,6 +375,39 @@ class ServerArgs:
         if self.moe_a2a_backend == "deepep":
             raise ConfigError("--moe-a2a-backend deepep is not available yet; use none or alltoall")
         self._apply_layout_rules()
+        self._check_eplb()
+
+    def _check_eplb(self) -> None:
+        """The EPLB flags among themselves and against the layout (the model's sizes are checked
+        where the model is known: `moe.eplb.location.check_location`)."""
+        if self.expert_balancedness_report_mode not in BALANCEDNESS_REPORT_MODES:
+            raise ConfigError(
+                "--expert-balancedness-report-mode must be one of "
+                + ", ".join(BALANCEDNESS_REPORT_MODES)
+            )
+        if self.ep_num_redundant_experts < 0:
+            raise ConfigError("--ep-num-redundant-experts must be >= 0")
+        if self.eplb_rebalance_num_iterations < 1:
+            raise ConfigError("--eplb-rebalance-num-iterations must be at least 1")
+        if self.eplb_rebalance_layers_per_chunk < 1:
+            raise ConfigError("--eplb-rebalance-layers-per-chunk must be at least 1")
+        if not 0 < self.eplb_min_rebalancing_utilization_threshold <= 1:
+            raise ConfigError("--eplb-min-rebalancing-utilization-threshold must be in (0, 1]")
+        if not self.init_expert_location:
+            raise ConfigError("--init-expert-location must be 'trivial' or a file")
+        if not self.enable_eplb:
+            return
+        if self.ep_size < 2:
+            raise ConfigError(
+                "--enable-eplb needs at least 2 expert-parallel ranks (--ep-size, or "
+                "--moe-a2a-backend alltoall with --tp-size >= 2): with one there is nothing to "
+                "balance"
+            )
+        if self.ep_size != self.tp_size:
+            raise ConfigError(
+                f"--enable-eplb needs --ep-size equal to --tp-size (got {self.ep_size} and "
+                f"{self.tp_size}): a rebalance moves whole experts between ranks"
+            )
 
     def _apply_layout_rules(self) -> None:
         """Peer semantics (as in the peer servers): an all-to-all backend spans the TP group."""

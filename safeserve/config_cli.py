@@ -46,6 +46,7 @@ _TITLES = {
     "server": "HTTP server",
     "scheduler": "scheduling and KV cache",
     "parallel": "parallelism",
+    "eplb": "expert-parallel load balancing (EPLB)",
     "performance": "performance",
     "guards": "guards",
     "health": "health and watchdog",

@@ -10,6 +10,9 @@ from dataclasses import asdict, dataclass, field
 
 # Heartbeat phases, in the order a step goes through them.
 PHASES = ("idle", "schedule", "attention", "dispatch", "experts", "combine", "sample")
+# The phase of a rank moving expert weights in a rebalance (a step of its own, between model
+# steps): the watchdog gives it longer before calling the group stalled.
+EPLB_MOVE_PHASE = "eplb-move"
 
 # Temperatures below this sample greedily (dividing logits by a smaller one overflows them).
 GREEDY_TEMPERATURE_EPS = 1e-5
@@ -76,6 +79,20 @@ class InjectFault:
     delay_s: float = 0.0
 
 
+EPLB_OPS = ("start", "stop", "dump", "map")
+
+
+@dataclass
+class EplbCommand:
+    """An admin request to a group's leader, answered by an `EplbReply` of the same
+    `request_id` in a later `StepOutputs`: `start` (re)starts recording the routed tokens per
+    logical expert (POST /admin/expert_distribution/start), `stop` stops it, `dump` returns what
+    was recorded since `start`, `map` the group's current physical-to-logical map."""
+
+    op: str
+    request_id: str
+
+
 # -- group -> frontend ------------------------------------------------------------------------
 @dataclass
 class TokenLogprob:
@@ -103,6 +120,57 @@ class RequestOutput:
 
 
 @dataclass
+class EplbCheck:
+    """One rebalance check of a group's leader (`engine/eplb.py`) and what came of it."""
+
+    at: float  # unix time of the check
+    passes: int  # forward passes whose routing it weighed (since the previous check)
+    balancedness_before: float  # of those passes' routing under the placement then
+    outcome: str  # "rebalanced", "in_progress" (weights still moving) or "skipped"
+    reason: str  # why it was skipped, or what moves
+    balancedness_predicted: float | None = None  # of the same routing under the new placement
+    # measured over the passes since the move finished (None until some ran)
+    balancedness_after: float | None = None
+    layers_moved: int = 0
+    moved_bytes: int = 0  # expert weights sent between ranks, all ranks together
+    duration_s: float | None = None  # first chunk's start to last chunk's end
+    longest_pause_s: float | None = None  # the longest single chunk: the longest step stall
+
+
+@dataclass
+class EplbStatus:
+    """A group's expert placement and rebalancing (GET /admin/eplb, the eplb metrics)."""
+
+    enabled: bool
+    num_logical: int
+    num_physical: int  # slots per MoE layer, logical + redundant
+    slots_per_rank: int
+    max_replicas: int  # the most replicas any expert has in any layer now
+    interval_passes: int  # --eplb-rebalance-num-iterations
+    passes_since_check: int
+    threshold: float
+    rebalances: int = 0
+    skipped: int = 0
+    moved_bytes_total: int = 0
+    pause_seconds_total: float = 0.0
+    layers_pending: int = 0  # layers of the current rebalance still to move
+    last: EplbCheck | None = None
+    last_rebalance: EplbCheck | None = None  # the last check that moved experts
+
+
+@dataclass
+class EplbReply:
+    request_id: str
+    recording: bool  # whether distribution recording is on after the op
+    # dump: tokens routed per logical expert per MoE layer since `start` ([L][E]), and the
+    # forward passes they came from
+    logical_count: list[list[int]] | None = None
+    passes: int = 0
+    phy2log: list[list[int]] | None = None  # map: the logical expert of each slot, per layer
+    error: str | None = None  # the op could not be done (one line)
+
+
+@dataclass
 class EngineStats:
     step: int = 0
     num_running: int = 0
@@ -110,6 +178,7 @@ class EngineStats:
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
     num_preemptions: int = 0
+    eplb: EplbStatus | None = None  # None: the group has no routed experts
 
 
 @dataclass
@@ -117,6 +186,7 @@ class StepOutputs:
     group: int
     outputs: list[RequestOutput]
     stats: EngineStats
+    replies: list[EplbReply] = field(default_factory=list)  # answers to EplbCommands
 
 
 @dataclass

@@ -119,6 +119,20 @@ class Comm:
             dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits)
         return out
 
+    def exchange(
+        self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]
+    ) -> None:
+        """Point-to-point: each (peer, tensor) of `sends` to its peer, each of `recvs` filled
+        from its peer, all posted at once (no pair of ranks waits on the other's order). Between
+        two ranks the i-th send of one side meets the i-th receive of the other."""
+        if not self.active or not (sends or recvs):
+            return
+        ops = [dist.P2POp(dist.isend, t, peer) for peer, t in sends]
+        ops += [dist.P2POp(dist.irecv, t, peer) for peer, t in recvs]
+        with self._waiting():
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+
     # -- control plane (CPU) --------------------------------------------------------------------
     def broadcast_object(self, obj: object) -> object:
         if not self.active:
