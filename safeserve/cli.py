@@ -31,6 +31,7 @@ def _serve(ns: argparse.Namespace) -> int:
     from safeserve.model.registry import check_layout
     from safeserve.model.sharding import LayoutError
     from safeserve.model.tokenizer import TokenizerError
+    from safeserve.moe.eplb.location import LocationError
 
     # No torch in these (the ranks import it; reading a checkpoint's safetensors headers does
     # too): the frontend starts, and refuses bad flags, without its seconds of import.
@@ -44,6 +45,12 @@ def _serve(ns: argparse.Namespace) -> int:
             check_layout(cfg, Layout(rank, args.tp_size, args.ep_size, args.enable_dp_attention))
         if args.model != TINY_MODEL and args.load_format != "dummy":
             check_checkpoint(args.model, cfg)
+        if cfg.num_experts:
+            from safeserve.model.sharding import starting_expert_map
+
+            starting_expert_map(args, cfg, Layout(0, args.tp_size, args.ep_size))
+        elif args.enable_eplb or args.ep_num_redundant_experts:
+            raise LayoutError("--enable-eplb and --ep-num-redundant-experts need routed experts")
         if (table_error := _fused_moe_table_error()) is not None:
             print(f"safeserve: error: {table_error}", file=sys.stderr)
             return 2
@@ -58,7 +65,7 @@ def _serve(ns: argparse.Namespace) -> int:
                     f"--num-groups {args.num_groups} x --tp-size {args.tp_size} needs CUDA devices "
                     f"up to index {needed - 1}; {torch.cuda.device_count()} visible"
                 )
-    except (ModelConfigError, LoadError, LayoutError) as e:
+    except (ModelConfigError, LoadError, LayoutError, LocationError) as e:
         print(f"safeserve: error: {e}", file=sys.stderr)
         return 2
 

@@ -84,9 +84,14 @@ def write_checkpoint(
 
 
 def write_qwen3_moe_checkpoint(
-    out_dir: Path, seed: int = 0, max_shard_size: str | None = None, **overrides: Any
+    out_dir: Path,
+    seed: int = 0,
+    max_shard_size: str | None = None,
+    init: Any = None,
+    **overrides: Any,
 ) -> Path:
-    """Random Qwen3-MoE weights saved with `save_pretrained`, plus a tokenizer."""
+    """Random Qwen3-MoE weights saved with `save_pretrained`, plus a tokenizer (`init`: as
+    `write_checkpoint`'s)."""
     params: dict[str, Any] = dict(
         hidden_size=64,
         intermediate_size=96,
@@ -103,4 +108,4 @@ def write_qwen3_moe_checkpoint(
         rope_theta=10000.0,
     )
     params.update(overrides)
-    return write_checkpoint(out_dir, "Qwen3Moe", params, seed, max_shard_size)
+    return write_checkpoint(out_dir, "Qwen3Moe", params, seed, max_shard_size, init)

@@ -47,6 +47,18 @@ def test_help_lists_grouped_flags() -> None:
         (["--port", "99999"], "--port must be in 0..65535"),
         (["--port", "65535"], "--admin-port must be in 0..65535, got 65536"),
         (["--port", "9000", "--admin-port", "9000"], "--admin-port must differ from --port"),
+        (["--enable-eplb"], "--enable-eplb needs at least 2 expert-parallel ranks"),
+        (
+            ["--enable-eplb", "--tp-size", "2", "--ep-size", "1"],
+            "--enable-eplb needs at least 2 expert-parallel ranks",
+        ),
+        (["--eplb-min-rebalancing-utilization-threshold", "0"], "must be in (0, 1]"),
+        (["--init-expert-location", "/nonexistent/dist.json"], "cannot read it"),
+        (
+            ["--ep-num-redundant-experts", "3", "--tp-size", "2", "--ep-size", "2"],
+            "cannot be split evenly",
+        ),
+        (["--ep-num-redundant-experts", "3"], "more than the model's 8 experts"),
     ],
 )
 def test_bad_flags_exit_non_zero_with_one_line(args: list[str], message: str) -> None:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from safeserve.config import ServerArgs
+from safeserve.engine.eplb import EplbController
 from safeserve.engine.isolation import bisect_step
 from safeserve.engine.kv_cache import BlockAllocator
 from safeserve.engine.model_runner import ModelRunner
@@ -24,12 +25,28 @@ from safeserve.engine.outcome import (
     is_fatal,
     per_request,
 )
-from safeserve.engine.plan import Faults, SeqPlan, StepPlan, TableReceiver, TableSender
+from safeserve.engine.plan import (
+    EplbOp,
+    EplbRankReport,
+    Faults,
+    SeqPlan,
+    StepPlan,
+    TableReceiver,
+    TableSender,
+)
 from safeserve.engine.request import Request
 from safeserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from safeserve.engine.warm_up import warm_up
 from safeserve.guards.prefill_sizing import PrefillSizer, PrefillSizing
-from safeserve.messages import EngineStats, GuardSizing, InjectFault, RequestOutput, SamplingParams
+from safeserve.messages import (
+    EngineStats,
+    EplbCommand,
+    EplbReply,
+    GuardSizing,
+    InjectFault,
+    RequestOutput,
+    SamplingParams,
+)
 from safeserve.model.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -80,6 +97,19 @@ class Engine:
         self._apply_sizing(self.sizer.sizing)
         self.guard_info = guard
         self.faults = Faults()
+        runner = self.runner
+        self.eplb = (
+            EplbController(
+                args,
+                lambda: runner.expert_map,  # type: ignore[arg-type,return-value]
+                runner.dispatcher.balance if runner.dispatcher is not None else None,
+                counts_summed=runner.layout.dp_attention,
+                num_groups=getattr(cfg, "n_group", 1) or 1,
+            )
+            if runner.expert_map is not None
+            else None
+        )
+        self.replies: list[EplbReply] = []  # answers to admin commands, for the next outputs
         # The tokenizer's files (generation_config.json, eos_token) may name more stop ids.
         tokenizer = load_tokenizer(args.model, cfg.eos_token_ids, args.load_format == "dummy")
         self.eos_token_ids = set(tokenizer.eos_token_ids)
@@ -152,13 +182,48 @@ class Engine:
             kv_blocks_used=self.scheduler.num_blocks_used,
             kv_blocks_total=self.scheduler.num_blocks_total,
             num_preemptions=self.scheduler.num_preemptions,
+            eplb=self.eplb.status() if self.eplb is not None else None,
         )
+
+    def eplb_command(self, cmd: EplbCommand) -> None:
+        """An admin command about the expert placement; its reply goes out with the next
+        outputs (`replies`)."""
+        if self.eplb is None:
+            reply = EplbReply(cmd.request_id, False, error="the model has no routed experts")
+        else:
+            reply = self.eplb.command(cmd, self.run_eplb)
+        self.replies.append(reply)
+
+    def run_eplb(self, op: EplbOp) -> list[EplbRankReport]:
+        """An EPLB step on every rank (a plan with no sequences); each rank's report. A rank
+        that fails it fails the group: the placement may differ between its ranks."""
+        self.step_id += 1
+        plan = StepPlan(
+            self.step_id,
+            [[] for _ in range(self.scheduler.dp_size)],
+            faults=self.faults,
+            eplb=op,
+        )
+        comm = self.runner.comm
+        if comm.active:
+            comm.broadcast_object(self.tables.wire(plan, []))
+        mine = self.runner.execute_step(plan)
+        gathered = comm.gather_objects(mine)
+        assert gathered is not None
+        failed = [g for g in gathered if isinstance(g, StepFailed)]
+        if failed:
+            raise RuntimeError(f"step {plan.step}: EPLB step {op!r} failed: {failed[0]}")
+        reports = [g.eplb for g in gathered]  # type: ignore[union-attr]
+        assert all(r is not None for r in reports)
+        return reports  # type: ignore[return-value]
 
     # -- one step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedules and runs one step. An exception of the step that every rank got past
         (outcome.py) stays with the request(s) it comes from (isolation.py): they end with an
         error output and the others go on; an exception out of here fails the group."""
+        if self.eplb is not None and (op := self.eplb.next_op()) is not None:
+            self.eplb.done(op, self.run_eplb(op))
         self.step_id += 1
         self.on_phase(self.step_id, "schedule")
         sched = self.scheduler.schedule()
@@ -248,6 +313,8 @@ class Engine:
         failures = [g for g in gathered if isinstance(g, StepFailed)]
         if failures:
             raise StepError(failures)
+        if self.eplb is not None and self.runner.serving:
+            self.eplb.on_pass()
         dispatcher = self.runner.dispatcher
         changed = self.sizer.observe(dispatcher.step_peak_share if dispatcher else None)
         if changed is not None:

@@ -23,6 +23,7 @@ from safeserve.engine.logprobs import prompt_logprobs, sampled_logprobs
 from safeserve.engine.outcome import RankResult, apply_request_faults
 from safeserve.engine.piecewise_graph import PiecewiseCudaGraphs
 from safeserve.engine.plan import Faults, SeqPlan, StepPlan
+from safeserve.engine.rank_eplb import RankEplb
 from safeserve.engine.rank_setup import (
     admission_buffers,
     guard_sizing,
@@ -37,7 +38,7 @@ from safeserve.layers.paged_attention import AttentionMetadata
 from safeserve.messages import GuardSizing, RankStats
 from safeserve.model import registry
 from safeserve.model.loader import DTYPES, build_model, load_model_config
-from safeserve.model.sharding import expert_split, moe_layers
+from safeserve.model.sharding import expert_split, moe_layers, starting_expert_map
 from safeserve.moe.dispatch import StepTokens, make_dispatcher
 from safeserve.moe.expert_map import ExpertMap
 from safeserve.parallel.comm import Comm, Layout
@@ -71,6 +72,8 @@ class ModelRunner:
         self.on_phase = on_phase or (lambda step, phase: None)
         cfg = load_model_config(args.model)
         self.config = cfg
+        if expert_map is None and cfg.num_experts:
+            expert_map = starting_expert_map(args, cfg, self.layout)
         placement = expert_split(cfg, self.layout, expert_map)[0] if cfg.num_experts else None
         # The one placement of this rank: the map (its layer rows: the model's MoE layers).
         self.expert_map = (
@@ -92,6 +95,7 @@ class ModelRunner:
         for layer in self.model.layers:
             if layer.is_moe:
                 layer.mlp.on_phase = self._moe_phase
+        self.eplb = RankEplb.build(self)  # before the graphs: they hold its counting
         self.step_id = 0
         self.max_model_len = args.max_model_len or cfg.max_position_embeddings
         self.kv_spec = registry.kv_spec(cfg, self.layout)
@@ -156,6 +160,8 @@ class ModelRunner:
             torch.cuda.reset_peak_memory_stats(self.device)
         if self.dispatcher is not None:
             self.dispatcher.balance.clear()
+        if self.eplb is not None:
+            self.eplb.begin_serving()
 
     def stats(self) -> RankStats:
         """What this rank's heartbeats carry besides (step, phase)."""
@@ -189,6 +195,10 @@ class ModelRunner:
         log-probabilities its requests ask for. Raises `RequestFault` on every rank, before
         any collective, for a plan holding a request with fault "raise" (outcome.py); a step
         that raises leaves no per-step state behind (the dispatcher's step is discarded)."""
+        if plan.eplb is not None:
+            if self.eplb is None:
+                raise RuntimeError(f"step {plan.step}: an EPLB step, but EPLB is off here")
+            return RankResult(eplb=self.eplb.run(plan.step, plan.eplb))
         apply_request_faults(plan, self.layout.rank, self.layout.dp_attention)
         start, waited = time.perf_counter(), self.comm.wait_s
         self.apply_faults(plan.faults)
@@ -211,18 +221,25 @@ class ModelRunner:
         except Exception:
             if self.dispatcher is not None:
                 self.dispatcher.discard_step()  # a half step is no balancedness pass
+            if self.eplb is not None:
+                self.eplb.discard_step()
             raise
-        if self.dispatcher is not None:
-            self.dispatcher.end_step()  # after sampling: the step's device work is done
+        self._end_step()  # after sampling: the step's device work is done
         self.last_own_step_s = (time.perf_counter() - start) - (self.comm.wait_s - waited)
         return result
 
     def run_plan(self, plan: StepPlan) -> tuple[torch.Tensor | None, list[SeqPlan]]:
         """The forward pass of this rank's part; logits of its sampling rows when it samples."""
         logits, _, sampling, _ = self._run(plan)
+        self._end_step()
+        return logits, sampling
+
+    def _end_step(self) -> None:
+        """Closes the step's pass in the balancedness and expert-distribution records."""
         if self.dispatcher is not None:
             self.dispatcher.end_step()
-        return logits, sampling
+        if self.eplb is not None:
+            self.eplb.end_step()
 
     def _run(
         self, plan: StepPlan

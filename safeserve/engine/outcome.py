@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from safeserve.engine.plan import StepPlan
+from safeserve.engine.plan import EplbRankReport, StepPlan
 from safeserve.messages import TokenLogprob
 
 logger = logging.getLogger(__name__)
@@ -44,6 +44,7 @@ class RankResult:
     logprobs: list[TokenLogprob | None] = field(default_factory=list)
     # Index of a sequence in this rank's list -> the prompt log-probabilities of its rows.
     prompt_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
+    eplb: EplbRankReport | None = None  # an EPLB step's report (its plan has no sequences)
 
 
 @dataclass

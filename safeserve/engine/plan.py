@@ -49,6 +49,37 @@ class Faults:
     delay_s: dict[int, float] = field(default_factory=dict)  # rank -> delay per step
 
 
+@dataclass(frozen=True)
+class EplbCollect:
+    """Every rank reports the tokens it routed per logical expert per MoE layer since the last
+    collect with `reset` (`reset` False: the counting goes on, as for an admin dump)."""
+
+    reset: bool = True
+
+
+@dataclass(frozen=True)
+class EplbMove:
+    """Every rank moves the expert weights of MoE layers `layers` (expert-map rows) to the
+    placement `rows` (per layer, the logical expert of each physical slot), then routes by it."""
+
+    layers: tuple[int, ...]
+    rows: tuple[tuple[int, ...], ...]
+
+
+EplbOp = EplbCollect | EplbMove
+
+
+@dataclass
+class EplbRankReport:
+    """What a rank reports of an EPLB step (in its `RankResult`)."""
+
+    # collect: tokens routed per logical expert per MoE layer ([L][E]) and the passes counted
+    counts: list[list[int]] | None = None
+    passes: int = 0
+    sent_bytes: int = 0  # move: expert weights this rank sent to other ranks
+    seconds: float = 0.0  # the step's time on this rank
+
+
 @dataclass
 class StepPlan:
     step: int
@@ -60,6 +91,8 @@ class StepPlan:
     faults: Faults | None = None
     # Table ids freed since the last plan (`TableSender`): the other ranks forget them.
     retired_tables: list[int] = field(default_factory=list)
+    # An EPLB step (no sequences: every rank does this instead of a forward pass).
+    eplb: EplbOp | None = None
 
 
 class TableSender:

@@ -21,6 +21,7 @@ import zmq
 from safeserve.config import ServerArgs
 from safeserve.messages import (
     AbortRequest,
+    EplbCommand,
     GenerateRequest,
     GroupFatal,
     GroupReady,
@@ -240,8 +241,9 @@ def _lead(args, group, runner, out, ctx, addrs, hb, parent) -> None:  # type: ig
         except Exception as e:
             _fatal(out, group, 0, "step failed", e)
         now = time.monotonic()
-        if outputs or now - last_stats > args.heartbeat_interval_s:
-            out.send(pickle.dumps(StepOutputs(group, outputs, engine.stats())))
+        if outputs or engine.replies or now - last_stats > args.heartbeat_interval_s:
+            replies, engine.replies = engine.replies, []
+            out.send(pickle.dumps(StepOutputs(group, outputs, engine.stats(), replies)))
             last_stats = now
 
 
@@ -259,6 +261,9 @@ def _handle(engine, msg: object) -> list[RequestOutput]:  # type: ignore[no-unty
         return []
     if isinstance(msg, InjectFault):
         engine.inject_fault(msg)
+        return []
+    if isinstance(msg, EplbCommand):
+        engine.eplb_command(msg)  # its reply goes out with the next outputs
         return []
     logger.warning("unknown message %r", type(msg).__name__)
     return []

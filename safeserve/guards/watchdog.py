@@ -27,10 +27,15 @@ from typing import Any
 
 import psutil
 
+from safeserve.messages import EPLB_MOVE_PHASE
+
 logger = logging.getLogger(__name__)
 
 IDLE_UTILIZATION = 0.2  # below this a rank is not computing
 SLOW_MIN_SECONDS = 0.05  # a step this short is never "slow"
+# A group whose ranks move expert weights gets this many stall timeouts before "no progress"
+# makes it stalled (a rank that stops beating is still stalled after one).
+EPLB_MOVE_GRACE = 4
 
 
 # Every verdict kind (the `verdict` label of `safeserve:watchdog_verdicts_total`).
@@ -209,7 +214,10 @@ class Watchdog:
         mid_step = any(st.phase not in ("idle", "starting") for st in ranks.values())
         if has_work and mid_step:
             last_move = max(st.phase_since for st in ranks.values())
-            if now - last_move > self.stall_timeout:
+            # ranks moving expert weights (EPLB) wait on each other for longer than a step does
+            moving = any(st.phase == EPLB_MOVE_PHASE for st in ranks.values())
+            limit = self.stall_timeout * (EPLB_MOVE_GRACE if moving else 1)
+            if now - last_move > limit:
                 idle = [r for r in ranks if utils[r] < IDLE_UTILIZATION]
                 if idle:
                     culprit = min(idle, key=lambda r: (ranks[r].step, ranks[r].phase_since))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from safeserve.config import ServerArgs
 from safeserve.model.config import ModelConfig
 from safeserve.model.spec import ExpertSlice, ExpertSource, Slice, WeightSpec, WeightSpecs
 from safeserve.moe.expert_map import ExpertMap
@@ -92,6 +93,24 @@ def expert_split(
         placement = ExpertPlacement.of(expert_map, layout.ep_rank)
     step = width // layout.moe_tp_size
     return placement, layout.moe_tp_rank * step, (layout.moe_tp_rank + 1) * step
+
+
+def starting_expert_map(args: ServerArgs, cfg: ModelConfig, layout: Layout) -> ExpertMap | None:
+    """The placement a rank starts with (--init-expert-location, --ep-num-redundant-experts);
+    None for the trivial one without redundant slots (the contiguous blocks)."""
+    from safeserve.moe.eplb.location import TRIVIAL, initial_expert_map
+
+    if args.init_expert_location == TRIVIAL and not args.ep_num_redundant_experts:
+        return None
+    return initial_expert_map(
+        args.init_expert_location,
+        cfg.num_experts,
+        len(moe_layers(cfg)),
+        layout.ep_size,
+        args.ep_num_redundant_experts,
+        getattr(cfg, "n_group", 1) or 1,
+        args.seed,
+    )
 
 
 def routing_source(layout: Layout) -> int | None:

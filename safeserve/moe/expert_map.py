@@ -150,6 +150,10 @@ class ExpertMap:
         """The physical slots holding `logical` in `layer`, ascending."""
         return self._log2phy[layer][logical]
 
+    def log2phy_rows(self) -> tuple[tuple[tuple[int, ...], ...], ...]:
+        """`replicas` of every (layer, logical expert): `[L][E]` ascending slot tuples."""
+        return self._log2phy
+
     def replica_count(self, layer: int, logical: int) -> int:
         return len(self._log2phy[layer][logical])
 

@@ -15,6 +15,7 @@ import torch
 
 from safeserve.moe.dispatch.base import Dispatcher, DispatchOutput
 from safeserve.moe.dispatch.local import LocalDispatcher
+from safeserve.moe.eplb.recorder import ExpertDistributionRecorder
 from safeserve.moe.expert_map import ExpertMap
 from safeserve.moe.placement import ExpertPlacement
 from safeserve.moe.runner import ExpertRunner
@@ -46,9 +47,15 @@ class MoELayer(torch.nn.Module):
         self.shared_expert_gate = (
             torch.nn.Linear(hidden_size, 1, bias=False) if shared_expert_gate else None
         )
+        # Where this layer counts its routed tokens per physical slot (EPLB), as MoE layer
+        # `moe_index` of the model; None: not recorded.
+        self.recorder: ExpertDistributionRecorder | None = None
+        self.moe_index = 0
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         topk = self.gate(hidden_states)
+        if self.recorder is not None:
+            self._record(topk.topk_ids)
         if self._direct(hidden_states):
             # One rank, one round, CUDA: the fused MoE allocates its own (budget-bounded)
             # buffers, so staging the rows in the receive buffer and back is two copies for
@@ -67,6 +74,15 @@ class MoELayer(torch.nn.Module):
         if self.on_phase is not None:
             self.on_phase("attention")
         return out
+
+    def _record(self, ids: torch.Tensor) -> None:
+        """Counts the step's routed choices (a graph bucket's padding rows are not tokens)."""
+        assert self.recorder is not None
+        step = self.dispatcher.step
+        real = step.real if step is not None else None
+        if real is not None:
+            ids = torch.where(real[: ids.shape[0], None], ids, -1)
+        self.recorder.record(self.moe_index, ids)
 
     def _shared(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shared = self.shared_experts

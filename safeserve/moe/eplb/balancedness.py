@@ -31,6 +31,7 @@ class BalancednessRecorder:
     def __init__(self) -> None:
         self._layers: list[float] = []
         self._passes: deque[float] = deque(maxlen=max(WINDOWS))
+        self.total = 0  # passes recorded since the last clear (not capped)
 
     def record_layer(self, loads: Sequence[float]) -> None:
         self._layers.append(layer_balancedness(loads))
@@ -42,16 +43,23 @@ class BalancednessRecorder:
         value = sum(self._layers) / len(self._layers)
         self._layers = []
         self._passes.append(value)
+        self.total += 1
         return value
 
     def clear(self) -> None:
         """Forgets every pass (start-up's warm-up passes are not traffic)."""
         self._layers = []
         self._passes.clear()
+        self.total = 0
 
     @property
     def passes(self) -> int:
         return len(self._passes)
+
+    def mean_of_last(self, n: int) -> float | None:
+        """Mean balancedness of the last `n` passes (of the last 1000 at most); None: none."""
+        recent = list(self._passes)[-n:] if n > 0 else []
+        return sum(recent) / len(recent) if recent else None
 
     def window_means(self) -> dict[int, float]:
         """Mean balancedness over the last w passes (fewer while fewer have run), per window."""
