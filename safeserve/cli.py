@@ -31,7 +31,7 @@ def _serve(ns: argparse.Namespace) -> int:
     from safeserve.model.registry import check_layout
     from safeserve.model.sharding import LayoutError
     from safeserve.model.tokenizer import TokenizerError
-    from safeserve.moe.eplb.location import LocationError
+    from safeserve.moe.eplb.location import LocationError, check_redundant
 
     # No torch in these (the ranks import it; reading a checkpoint's safetensors headers does
     # too): the frontend starts, and refuses bad flags, without its seconds of import.
@@ -49,6 +49,7 @@ def _serve(ns: argparse.Namespace) -> int:
             from safeserve.model.sharding import starting_expert_map
 
             starting_expert_map(args, cfg, Layout(0, args.tp_size, args.ep_size))
+            check_redundant(cfg.num_experts, args.ep_size, args.ep_num_redundant_experts)
         elif args.enable_eplb or args.ep_num_redundant_experts:
             raise LayoutError("--enable-eplb and --ep-num-redundant-experts need routed experts")
         if (table_error := _fused_moe_table_error()) is not None:

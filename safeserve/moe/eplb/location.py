@@ -50,11 +50,6 @@ def initial_expert_map(
             f"{num_logical} experts + {redundant} redundant = {physical} slots cannot be split "
             f"evenly over {ep_size} EP ranks"
         )
-    if physical // ep_size > num_logical:
-        raise LocationError(
-            f"--ep-num-redundant-experts {redundant}: {physical // ep_size} slots per EP rank, "
-            f"more than the model's {num_logical} experts"
-        )
     if location == TRIVIAL:
         return ExpertMap.trivial(num_logical, ep_size, num_layers, redundant, seed)
     doc = _read(location)
@@ -88,6 +83,17 @@ def initial_expert_map(
     except ValueError as e:
         raise LocationError(str(e)) from e
     return placement_of_counts(counts, physical, ep_size, num_groups, seed)
+
+
+def check_redundant(num_logical: int, ep_size: int, redundant: int) -> None:
+    """A server's redundant slots fit: no EP rank holds more slots than the model has experts
+    (a rank would hold some expert twice)."""
+    per_rank = (num_logical + redundant) // ep_size
+    if per_rank > num_logical:
+        raise LocationError(
+            f"--ep-num-redundant-experts {redundant}: {per_rank} slots per EP rank, more than "
+            f"the model's {num_logical} experts"
+        )
 
 
 def placement_of_counts(
