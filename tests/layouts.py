@@ -50,16 +50,26 @@ def _rank_main(
     init: str,
     seqs: list[list[int]],
     chunks: list[int],
+    phy2log: list[list[int]] | None,
     queue: mp.Queue,
 ) -> None:
     """One rank of `run_layout` (spawned by safeserve.spawn, which reports it if it raises)."""
     from safeserve.engine.model_runner import ModelRunner
     from safeserve.engine.plan import SeqPlan, StepPlan
     from safeserve.messages import SamplingParams
+    from safeserve.model.loader import load_model_config
+    from safeserve.moe.expert_map import ExpertMap
 
-    tp, _, _, dp = layout
+    tp, ep, _, dp = layout
     args = layout_server_args(model, layout, num_kv_blocks=64, block_size=4, device=device)
-    runner = ModelRunner(args, rank, init)
+    m = None
+    if phy2log is not None:
+        m = ExpertMap.from_phy2log(phy2log, load_model_config(model).num_experts, ep, seed=7)
+    runner = ModelRunner(args, rank, init, expert_map=m)
+    if runner.expert_map is not None:  # each rank holds the weights of its slots
+        for layer in runner.model.layers:
+            if layer.is_moe:
+                assert layer.mlp.experts.w13.shape[0] == runner.expert_map.slots_per_rank
     dp_size = tp if dp else 1
     tables = {
         i: list(range(16 * (i // dp_size), 16 * (i // dp_size) + 16)) for i in range(len(seqs))
@@ -96,15 +106,18 @@ def run_layout(
     port: int,
     device: str = "cpu",
     replays: dict | None = None,
+    phy2log: list[list[int]] | None = None,
 ) -> dict:
     """{(seq, position): logits row} from a real group of processes; `replays` (if given) gets
-    each rank's (decode, piecewise) CUDA graph replays (None where the rank captured none)."""
+    each rank's (decode, piecewise) CUDA graph replays (None where the rank captured none);
+    `phy2log` (if given) the experts' placement (`ExpertMap.from_phy2log`), else the trivial
+    one."""
     layout = LAYOUTS[name]
     out, done = {}, 0
     with spawn_ranks(
         layout[0],
         _rank_main,
-        lambda r, init, q: (device, str(model), layout, r, init, seqs, chunks, q),
+        lambda r, init, q: (device, str(model), layout, r, init, seqs, chunks, phy2log, q),
         port=port,
     ) as ranks:
         while done < layout[0]:
