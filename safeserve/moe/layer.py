@@ -80,9 +80,7 @@ class MoELayer(torch.nn.Module):
         assert self.recorder is not None
         step = self.dispatcher.step
         real = step.real if step is not None else None
-        if real is not None:
-            ids = torch.where(real[: ids.shape[0], None], ids, -1)
-        self.recorder.record(self.moe_index, ids)
+        self.recorder.record(self.moe_index, ids, real)
 
     def _shared(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shared = self.shared_experts

@@ -105,6 +105,7 @@ def _kernel_paths_on(capability: int, shared: int) -> None:
 
 
 def _launch_everything(capability: int, shared: int) -> None:
+    from safeserve.kernels import expert_count as ec
     from safeserve.kernels import fused_moe as fm
     from safeserve.kernels import grouped_topk as gt
     from safeserve.kernels import linear as lin
@@ -257,6 +258,10 @@ def _launch_everything(capability: int, shared: int) -> None:
     )
     for pairs in (64, 5000):  # one program; count + scatter
         moe_align(torch.zeros(pairs, 1, dtype=torch.int32), e, 64)
+    for ids_dtype in (torch.int32, torch.int64):  # EPLB's counting, with and without padding
+        ids = torch.zeros(64, k, dtype=ids_dtype)
+        ec.count_experts(ids, torch.zeros(e, dtype=torch.int32))
+        ec.count_experts(ids, torch.zeros(e, dtype=torch.int32), torch.ones(64, dtype=torch.bool))
     w13 = torch.empty(e, 2 * inter, h, dtype=bf16)
     w2 = torch.empty(e, h, inter, dtype=bf16)
     if capability == 90:  # the fused MoE at every entry of every shipped H200 table

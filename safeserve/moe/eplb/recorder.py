@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from safeserve.kernels.expert_count import count_experts
 from safeserve.moe.eplb.balancedness import WINDOWS, BalancednessRecorder
 from safeserve.moe.expert_map import ExpertMap
 
@@ -46,7 +47,8 @@ class ExpertDistributionRecorder:
         self.num_ranks = num_physical_experts // slots_per_rank
         self.enabled = enabled
         shape = (num_layers, num_physical_experts)
-        self._pass = torch.zeros(shape, dtype=torch.int64, device=device)
+        # the open pass in int32 (the counting kernel's atomics), the sums in int64
+        self._pass = torch.zeros(shape, dtype=torch.int32, device=device)
         self._counts = torch.zeros(shape, dtype=torch.int64, device=device)
         # per-rank loads of the last max(WINDOWS) counted passes, a ring indexed by pass number
         self._rank_loads = torch.zeros(
@@ -75,11 +77,10 @@ class ExpertDistributionRecorder:
         """Counted passes since the last reset."""
         return self._passes
 
-    def record(self, layer: int, topk_ids: torch.Tensor) -> None:
-        """Adds one layer's routed physical expert ids (any shape; -1 = not routed) to the pass."""
-        ids = topk_ids.reshape(-1).to(torch.int64)
-        routed = (ids >= 0).to(torch.int64)
-        self._pass[layer].scatter_add_(0, ids.clamp(min=0), routed)
+    def record(self, layer: int, topk_ids: torch.Tensor, real: torch.Tensor | None = None) -> None:
+        """Adds one layer's routed physical expert ids ([T, K] or any shape; -1 = not routed)
+        to the pass, but for the rows where `real` (bool, one per row of [T, K]) is False."""
+        count_experts(topk_ids, self._pass[layer], real)
 
     def end_pass(self) -> None:
         """Closes the open pass: counted when enabled, dropped otherwise."""
