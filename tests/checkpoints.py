@@ -109,3 +109,41 @@ def write_qwen3_moe_checkpoint(
     )
     params.update(overrides)
     return write_checkpoint(out_dir, "Qwen3Moe", params, seed, max_shard_size, init)
+
+
+# The experts `skew_router` makes the routers prefer (the weight of the shared direction in their
+# gate rows).
+FAVOURED_EXPERTS = {0: 0.2, 1: 0.25}
+
+
+def skew_router(model: Any) -> None:
+    """A `write_checkpoint` init for a Qwen3-MoE model: every token's hidden state gets a shared
+    direction (dimension 0 of the embeddings) that the routers score high for
+    FAVOURED_EXPERTS, so most tokens pick them, as a trained model's router favours a few."""
+    import torch
+
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] += 1.0
+        for layer in model.model.layers:
+            if hasattr(layer.mlp, "experts"):
+                layer.mlp.gate.weight[:, 0] = 0.0
+                for e, w in FAVOURED_EXPERTS.items():
+                    layer.mlp.gate.weight[e, 0] = w
+
+
+def greedy_continuations(model: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """transformers' float32 greedy continuations of `prompts`, `n` tokens each (EOS not
+    special: what a request with ignore_eos returns)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            for _ in range(n):
+                nxt = hf(ids).logits[0, -1].argmax()
+                ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
+            out.append(ids[0, len(p) :].tolist())
+    return out

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoints import write_qwen3_moe_checkpoint
+from checkpoints import greedy_continuations, skew_router, write_qwen3_moe_checkpoint
 from layouts import layout_server_args
 
 from safeserve.messages import SamplingParams
@@ -19,8 +19,6 @@ from safeserve.spawn import run_ranks
 
 pytestmark = pytest.mark.slow  # starts rank processes
 
-# The experts the router prefers (the weight of the shared direction in their gate rows).
-FAVOURED = {0: 0.2, 1: 0.25}
 # (tp, ep, backend, dp attention), as tests/layouts.py's
 GROUPS = {
     "tp4-ep4-alltoall": (4, 4, "alltoall", False),
@@ -31,21 +29,9 @@ PROMPT_LENGTHS = (6, 9, 13, 5, 11, 8, 7, 10, 12, 6, 9, 7, 14, 5, 8, 10)
 MAX_TOKENS = 24
 
 
-def _skew(model) -> None:  # type: ignore[no-untyped-def]
-    """Every token's hidden state gets a shared direction (dimension 0 of the embeddings) that
-    the routers score high for FAVOURED: most tokens pick one or two of them."""
-    with torch.no_grad():
-        model.model.embed_tokens.weight[:, 0] += 1.0
-        for layer in model.model.layers:
-            if hasattr(layer.mlp, "experts"):
-                layer.mlp.gate.weight[:, 0] = 0.0
-                for e, w in FAVOURED.items():
-                    layer.mlp.gate.weight[e, 0] = w
-
-
 @pytest.fixture(scope="module")
 def skewed(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_qwen3_moe_checkpoint(tmp_path_factory.mktemp("skewed"), seed=3, init=_skew)
+    return write_qwen3_moe_checkpoint(tmp_path_factory.mktemp("skewed"), seed=3, init=skew_router)
 
 
 def _prompts(lengths: tuple[int, ...] = PROMPT_LENGTHS) -> list[list[int]]:
@@ -53,25 +39,9 @@ def _prompts(lengths: tuple[int, ...] = PROMPT_LENGTHS) -> list[list[int]]:
     return [torch.randint(0, 300, (n,), generator=gen).tolist() for n in lengths]
 
 
-def _greedy(model: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """transformers' greedy continuations."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-    out = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor([p])
-            for _ in range(max_tokens):
-                nxt = hf(ids).logits[0, -1].argmax()
-                ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
-            out.append(ids[0, len(p) :].tolist())
-    return out
-
-
 @pytest.fixture(scope="module")
 def reference(skewed: Path) -> list[list[int]]:
-    return _greedy(skewed, _prompts(), MAX_TOKENS)
+    return greedy_continuations(skewed, _prompts(), MAX_TOKENS)
 
 
 def _rank_main(  # type: ignore[no-untyped-def]
