@@ -152,8 +152,13 @@ class Engine:
 
     # -- start-up -------------------------------------------------------------------------------
     def warm_up(self) -> None:
-        """Runs the start-up warm-up (engine/warm_up.py) before the group reports READY."""
+        """Runs the start-up warm-up (engine/warm_up.py) before the group reports READY, then
+        tells every rank that start-up is over (an idle plan): serving begins here, not at the
+        group's first idle moment, which a group under load from its first request never has
+        (its EPLB would never count a pass)."""
         warm_up(self)
+        self.runner.begin_serving()
+        self.broadcast_idle()
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -419,7 +424,8 @@ def follower_loop(runner: ModelRunner, on_plan: Callable[[int, bool], None]) -> 
             runner.comm.shutdown()
             return
         on_plan(plan.step, plan.idle)
-        if plan.idle:
+        if plan.idle:  # the leader's first idle plan ends start-up (Engine.warm_up sends one)
+            runner.begin_serving()
             runner.apply_faults(plan.faults)
             continue
         result: RankResult | StepFailed

@@ -166,7 +166,6 @@ def run_rank(
 
     def on_plan(step: int, idle: bool) -> None:
         if idle:
-            runner.begin_serving()
             hb.beat(step, "idle")
         if os.getppid() != parent:  # the frontend is gone (killed): do not outlive it
             os._exit(0)
@@ -235,7 +234,6 @@ def _lead(args, group, runner, out, ctx, addrs, hb, parent) -> None:  # type: ig
             if engine.has_work():
                 outputs.extend(engine.step())
             else:
-                runner.begin_serving()
                 hb.beat(engine.step_id, "idle")
                 engine.broadcast_idle()
         except Exception as e:

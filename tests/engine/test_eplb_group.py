@@ -55,11 +55,13 @@ def _rank_main(  # type: ignore[no-untyped-def]
 
     args = layout_server_args(model, layout, num_kv_blocks=96, block_size=4, **kw)
     runner = ModelRunner(args, rank, init)
-    runner.begin_serving()  # as a group that went idle after its warm-up
     if rank != 0:
         follower_loop(runner, lambda step, idle: None)
         return None
     engine = Engine(args, runner)
+    # The server's start-up; then requests at once: the group never idles before its first
+    # rebalance is due, and must count its passes all the same.
+    engine.warm_up()
     # requests arrive over time: some decode while the weights move
     lengths, max_tokens, stagger = work
     pending = [(f"r{i}", p) for i, p in enumerate(_prompts(lengths))]

@@ -42,7 +42,7 @@ def _every_group_rank(rank: int, runs: list[tuple], seqs: list[list[int]], queue
         if rank < layout[0]:
             tagged = _Tagged(queue, key)
             try:
-                _rank_main("cpu", model, layout, rank, init, seqs, CHUNKS, tagged)
+                _rank_main("cpu", model, layout, rank, init, seqs, CHUNKS, None, tagged)
             except Exception:  # that group's failure; the next runs go on
                 tagged.put(("error", rank, traceback.format_exc()))
 
