@@ -156,6 +156,11 @@ def runbooks_for(
     balance = (g.get("eplb_balancedness") or {}).get("10")
     if balance is not None and balance <= SKEWED_BALANCEDNESS:
         skew.append(f"expert load balancedness {_balance10(g)} over the last 10 passes")
+        eplb = g.get("eplb") or {}
+        if eplb.get("enabled") and eplb.get("rebalances"):
+            skew.append("it stays low after EPLB's rebalances")
+    if (g.get("eplb") or {}).get("overdue"):
+        skew.append("an EPLB rebalance check was due and did not run")
     if skew:
         out.append(("dispatch-skew", "; ".join(skew) + ": routing is skewed"))
     kv = []
@@ -186,6 +191,32 @@ def _balance(windows: dict[str, float]) -> str:
     return f"{parts} passes  (1.00 = even; 1/ep_size = all on one rank)"
 
 
+def _eplb_line(e: dict[str, Any] | None, now: float) -> str:
+    """The group's rebalancing: off, or its counts, the last rebalance and the last check."""
+    if e is None or not e.get("enabled"):
+        return "off" if e is not None else "-  (no routed experts, or no report yet)"
+    parts = [
+        f"{e['rebalances']} rebalances, {e['skipped']} skipped, every "
+        f"{e['interval_passes']} passes ({e['passes_since_check']} since the last check"
+        + ("; OVERDUE" if e.get("overdue") else "")
+        + f"); {e['num_physical']} slots for {e['num_logical']} experts"
+    ]
+    done = e.get("last_rebalance")
+    if done is not None:
+        after = done.get("balancedness_after")
+        parts.append(
+            f"last rebalance {_ago(done['at'], now)}: {done['layers_moved']} layers, "
+            f"{done['moved_bytes'] / 2**20:.1f} MiB in {done['duration_s'] or 0:.2f} s (longest "
+            f"step {1e3 * (done['longest_pause_s'] or 0):.0f} ms); balancedness "
+            f"{done['balancedness_before']:.2f} before, "
+            + (f"{after:.2f} since" if after is not None else "not measured since")
+        )
+    last = e.get("last")
+    if last is not None and last is not done and last != done:
+        parts.append(f"last check {_ago(last['at'], now)}: {last['outcome']}: {last['reason']}")
+    return "\n              ".join(parts)
+
+
 def describe_group(
     g: dict[str, Any], all_groups: list[dict[str, Any]], now: float | None = None
 ) -> str:
@@ -198,6 +229,7 @@ def describe_group(
         f"Failures:     {g['failures']} ({g['restarts']} restarts)",
         f"Last failure: {g.get('last_failure') or '-'}",
         f"Balance:      {_balance(g.get('eplb_balancedness') or {})}",
+        f"EPLB:         {_eplb_line(g.get('eplb'), now)}",
         "Ranks:",
         *("  " + line for line in ranks_table([g]).splitlines()),
         "Verdicts:",

@@ -1,7 +1,8 @@
 """The admin API (`/admin/*`), served on its own port, bound to loopback unless told otherwise.
 
 Behind `--admin-api-key` (Bearer) when one is set. `POST /admin/faults` exists only with
-`--enable-fault-injection`. `GET /admin/quarantine` shows the query-of-death state (suspects,
+`--enable-fault-injection`. The expert-placement routes (`/admin/eplb`,
+`/admin/expert_distribution/*`) are in `eplb_admin.py`. `GET /admin/quarantine` shows the query-of-death state (suspects,
 quarantined fingerprints); `DELETE /admin/quarantine[/{fingerprint}]` lifts quarantines
 (`?dry_run=1`: says which, lifts none).
 """
@@ -18,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 
 from safeserve.messages import FAULT_KINDS, DispatchStats, GuardSizing, InjectFault
 from safeserve.moe.eplb.balancedness import group_balancedness
+from safeserve.server.eplb_admin import eplb_summary, install_eplb_routes
 from safeserve.server.errors import APIError, bad_request, install_error_handlers, require_bearer
 from safeserve.server.protocol import decode_json
 from safeserve.server.state import ServerState
@@ -87,6 +89,7 @@ def group_view(state: ServerState) -> list[dict[str, Any]]:
                         [st.stats for _, st in sorted(g.ranks.items())] if g is not None else []
                     ).items()
                 },
+                "eplb": eplb_summary(g),
                 "ranks": ranks,
                 "verdicts": [
                     {
@@ -226,6 +229,8 @@ def build_admin_app(state: ServerState) -> FastAPI:
             for g in state.groups
         }
         return JSONResponse({"args": state.args.to_dict(), "guards": guards})
+
+    install_eplb_routes(app, state, lambda request: _check_admin(state, request))
 
     if state.args.enable_fault_injection:
 

@@ -1,7 +1,7 @@
 """The metrics gauges, refreshed from the groups' latest reports when `/metrics` is scraped.
 
-Per group: ready, running and waiting requests, KV blocks, preemptions and the expert-load
-balancedness of each window; per rank: heartbeat age, utilization, memory and the dispatch
+Per group: ready, running and waiting requests, KV blocks, preemptions, the expert-load
+balancedness of each window and, with EPLB on, the rebalancing numbers; per rank: heartbeat age, utilization, memory and the dispatch
 admission numbers; overall: the requests in flight.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import time
 
+from safeserve.messages import EplbStatus
 from safeserve.moe.eplb.balancedness import WINDOWS as BALANCE_WINDOWS
 from safeserve.moe.eplb.balancedness import group_balancedness
 from safeserve.server.state import ServerState
@@ -18,6 +19,7 @@ from safeserve.server.state import ServerState
 def refresh_gauges(state: ServerState) -> None:
     m = state.metrics
     now = time.time()
+    export_balance = state.args.expert_balancedness_report_mode in ("prometheus", "both")
     for sup in state.supervisors:
         g = sup.client
         label = str(sup.group)
@@ -46,8 +48,9 @@ def refresh_gauges(state: ServerState) -> None:
                     (m.dispatch_buffer_peak_bytes, d.buffer_peak_bytes),
                 ):
                     gauge.labels(label, rank).set(value)
+        _eplb_gauges(state, label, g.stats.eplb)
         ranks = [st.stats for _, st in sorted(g.ranks.items())]
-        balance = group_balancedness(ranks)
+        balance = group_balancedness(ranks) if export_balance else {}
         for window in BALANCE_WINDOWS:
             if window in balance:
                 m.eplb_balancedness.labels(label, str(window)).set(balance[window])
@@ -55,3 +58,21 @@ def refresh_gauges(state: ServerState) -> None:
                 with contextlib.suppress(KeyError):
                     m.eplb_balancedness.remove(label, str(window))
     m.in_flight.set(len(state.generator.active) if state.generator else 0)
+
+
+def _eplb_gauges(state: ServerState, label: str, st: EplbStatus | None) -> None:
+    """A group's rebalancing numbers; no series where EPLB is off."""
+    if st is None or not st.enabled:
+        return
+    m = state.metrics
+    last = st.last_rebalance
+    for gauge, value in (
+        (m.eplb_rebalances, st.rebalances),
+        (m.eplb_skipped, st.skipped),
+        (m.eplb_moved_bytes, st.moved_bytes_total),
+        (m.eplb_pause_seconds, st.pause_seconds_total),
+        (m.eplb_longest_pause, (last.longest_pause_s or 0.0) if last is not None else 0.0),
+        (m.eplb_passes_since_check, st.passes_since_check),
+        (m.eplb_interval, st.interval_passes),
+    ):
+        gauge.labels(label).set(value)

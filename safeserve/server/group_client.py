@@ -15,6 +15,7 @@ import os
 import pickle
 import tempfile
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -27,6 +28,8 @@ from safeserve.guards.watchdog import Verdict, Watchdog, death_verdict, signal_n
 from safeserve.messages import (
     AbortRequest,
     EngineStats,
+    EplbCommand,
+    EplbReply,
     GenerateRequest,
     GroupFatal,
     GroupReady,
@@ -46,6 +49,10 @@ logger = logging.getLogger(__name__)
 # How long a rank's death may take to settle (its exit code known, the fatal error it reported
 # read) before the verdict is given: the verdict then names the culprit and its cause.
 SETTLE_S = 1.0
+
+
+class GroupUnavailable(RuntimeError):
+    """The group cannot answer: not READY, or it failed while a command waited."""
 
 
 class GroupState(enum.Enum):
@@ -94,6 +101,7 @@ class GroupClient:
         self.stats = EngineStats()
         self.ranks = {r: RankStatus(r) for r in range(args.tp_size)}
         self.queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._eplb_waiting: dict[str, asyncio.Future[EplbReply]] = {}  # admin commands asked
         self._ready_event = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._ipc_dir = tempfile.mkdtemp(prefix=f"safeserve-g{group}-")
@@ -188,6 +196,21 @@ class GroupClient:
     def inject_fault(self, fault: InjectFault) -> None:
         self._req.send(pickle.dumps(fault), flags=zmq.NOBLOCK)
 
+    async def eplb_command(self, op: str, timeout: float) -> EplbReply:
+        """Asks the group's leader an expert-placement command (messages.EplbCommand) and
+        waits for its reply. Raises TimeoutError when none comes within `timeout` seconds, and
+        GroupUnavailable when the group fails meanwhile."""
+        if self.state is not GroupState.READY:
+            raise GroupUnavailable(f"group {self.group} is {self.state.value}")
+        request_id = uuid.uuid4().hex
+        fut: asyncio.Future[EplbReply] = asyncio.get_running_loop().create_future()
+        self._eplb_waiting[request_id] = fut
+        try:
+            self._req.send(pickle.dumps(EplbCommand(op, request_id)), flags=zmq.NOBLOCK)
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self._eplb_waiting.pop(request_id, None)
+
     def release(self, rid: str) -> None:
         """The request finished normally: forget its queue."""
         self.queues.pop(rid, None)
@@ -198,6 +221,10 @@ class GroupClient:
             msg = pickle.loads(await self._out.recv())
             if isinstance(msg, StepOutputs):
                 self.stats = msg.stats
+                for reply in msg.replies:
+                    fut = self._eplb_waiting.get(reply.request_id)
+                    if fut is not None and not fut.done():
+                        fut.set_result(reply)
                 for o in msg.outputs:
                     q = self.queues.get(o.rid)
                     if q is not None:
@@ -344,5 +371,8 @@ class GroupClient:
         for rid, q in list(self.queues.items()):
             q.put_nowait(RequestOutput(rid, [], "group_failed"))
         self.queues.clear()
+        for fut in self._eplb_waiting.values():
+            if not fut.done():
+                fut.set_exception(GroupUnavailable(f"group {self.group} failed: {reason}"))
         if self.on_failed is not None:
             self.on_failed(reason)

@@ -172,6 +172,61 @@ METRICS: tuple[MetricSpec, ...] = (
         ("group", "window"),
     ),
     MetricSpec(
+        "eplb_rebalances",
+        Gauge,
+        "eplb_rebalances_total",
+        "Rebalances that moved expert weights, per group, since the group last started "
+        "(--enable-eplb).",
+        GROUP,
+    ),
+    MetricSpec(
+        "eplb_skipped",
+        Gauge,
+        "eplb_rebalances_skipped_total",
+        "Rebalance checks that moved nothing (balanced enough, nothing routed, or the placement "
+        "already the best), per group, since the group last started; the reason is in "
+        "GET /admin/eplb.",
+        GROUP,
+    ),
+    MetricSpec(
+        "eplb_moved_bytes",
+        Gauge,
+        "eplb_moved_bytes_total",
+        "Expert weight bytes sent between a group's ranks by rebalances since it last started.",
+        GROUP,
+    ),
+    MetricSpec(
+        "eplb_pause_seconds",
+        Gauge,
+        "eplb_pause_seconds_total",
+        "Seconds a group spent in EPLB weight-move steps (between model steps) since it last "
+        "started.",
+        GROUP,
+    ),
+    MetricSpec(
+        "eplb_longest_pause",
+        Gauge,
+        "eplb_rebalance_longest_step_seconds",
+        "The longest single EPLB step of the group's last rebalance: the longest stall a "
+        "rebalance put between two model steps.",
+        GROUP,
+    ),
+    MetricSpec(
+        "eplb_passes_since_check",
+        Gauge,
+        "eplb_passes_since_check",
+        "Forward passes since the group's last rebalance check; above "
+        "safeserve:eplb_rebalance_interval_passes the check was due and did not run.",
+        GROUP,
+    ),
+    MetricSpec(
+        "eplb_interval",
+        Gauge,
+        "eplb_rebalance_interval_passes",
+        "--eplb-rebalance-num-iterations of a group with EPLB on.",
+        GROUP,
+    ),
+    MetricSpec(
         "group_state", Gauge, "group_state", "1 for a group's current state.", ("group", "state")
     ),
     MetricSpec(

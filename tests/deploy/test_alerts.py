@@ -311,6 +311,24 @@ CASES = [
         ],
         [{**A, "group": "0", "window": "100"}],
     ),
+    Case(
+        "SafeserveEplbRebalanceOverdue",
+        "15m",
+        [
+            # group 0's check never ran: its passes grow past the interval
+            series("safeserve:eplb_passes_since_check", "0+20x20", **A, group="0"),
+            series("safeserve:eplb_rebalance_interval_passes", "100x20", **A, group="0"),
+            # group 1 checks every 100 passes: the count climbs to the interval and resets
+            series(
+                "safeserve:eplb_passes_since_check",
+                "0 50 100 0 50 100 0 50 100 0 50 100 0 50 100 0 50 100 0 50",
+                **A,
+                group="1",
+            ),
+            series("safeserve:eplb_rebalance_interval_passes", "100x20", **A, group="1"),
+        ],
+        [{**A, "group": "0"}],
+    ),
 ]
 
 # A healthy server for 70 minutes: serving, an old slow verdict and an old failure, no waits.
@@ -342,6 +360,8 @@ HEALTHY = [
         for g in "01"
         for w in ("10", "100", "1000")
     ),
+    *(series("safeserve:eplb_passes_since_check", "0+10x70", **A, group=g) for g in "01"),
+    *(series("safeserve:eplb_rebalance_interval_passes", "1000x70", **A, group=g) for g in "01"),
 ]
 
 

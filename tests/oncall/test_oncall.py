@@ -263,3 +263,51 @@ def test_quarantine_views_and_the_runbook_a_crash_points_to() -> None:
     assert "ab12  cmpl-9 crashed groups 0 and 1" in desc.split("Quarantined:")[1]
     assert lift_lines({"dry_run": True, "lifted": [q]}) == "would lift 1 quarantine(s): ab12"
     assert lift_lines({"dry_run": False, "lifted": []}).startswith("lifted 0 quarantine(s): none")
+
+
+def test_describe_shows_the_last_rebalance_and_points_to_the_skew_runbook() -> None:
+    from dataclasses import asdict
+
+    from safeserve.messages import EplbCheck, EplbStatus
+    from safeserve.oncall.views import describe_group, runbooks_for
+
+    done = EplbCheck(90.0, 6, 0.41, "rebalanced", "3 of 4 MoE layers move", 0.93, 0.52)
+    done.layers_moved, done.moved_bytes, done.duration_s, done.longest_pause_s = (
+        3,
+        3 << 20,
+        0.2,
+        0.05,
+    )
+    skipped = EplbCheck(99.0, 6, 0.95, "skipped", "balancedness 0.950 over 6 passes is above x")
+    status = EplbStatus(True, 8, 12, 3, 2, 6, 2, 1.0, 1, 1, 3 << 20, 0.2, 0, skipped, done)
+
+    def group(eplb: dict | None, balance: float) -> dict:
+        return {
+            "id": 0,
+            "state": "READY",
+            "ranks": [],
+            "running": 0,
+            "waiting": 0,
+            "in_flight": 0,
+            "failures": 0,
+            "restarts": 0,
+            "eplb_balancedness": {"10": balance},
+            "eplb": eplb,
+        }
+
+    summary = {**asdict(status), "overdue": False}
+    desc = describe_group(group(summary, 0.5), [], now=100.0)
+    assert "1 rebalances, 1 skipped, every 6 passes (2 since the last check)" in desc
+    assert "12 slots for 8 experts" in desc
+    assert "last rebalance 10s ago: 3 layers, 3.0 MiB in 0.20 s (longest step 50 ms)" in desc
+    assert "balancedness 0.41 before, 0.52 since" in desc
+    assert "last check 1s ago: skipped: balancedness 0.950" in desc
+    why = dict(runbooks_for(group(summary, 0.5), [], now=100.0))["dispatch-skew"]
+    assert "it stays low after EPLB's rebalances" in why
+    # balanced: no runbook; an overdue check points to it whatever the balance
+    assert "dispatch-skew" not in dict(runbooks_for(group(summary, 0.9), [], now=100.0))
+    overdue = {**summary, "passes_since_check": 20, "overdue": True}
+    assert "OVERDUE" in describe_group(group(overdue, 0.9), [], now=100.0)
+    why = dict(runbooks_for(group(overdue, 0.9), [], now=100.0))["dispatch-skew"]
+    assert "an EPLB rebalance check was due and did not run" in why
+    assert "EPLB:         off" in describe_group(group({"enabled": False}, 0.9), [], now=0.0)
