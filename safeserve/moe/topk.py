@@ -94,6 +94,12 @@ class Router(torch.nn.Module):
         # Logical -> physical expert id: this layer's row of the rank's send table (the expert
         # map's `send_table`), written in place by `set_expert_map`; identity until then.
         self.register_buffer("logical_to_physical", torch.arange(num_experts), persistent=False)
+        # Where every rank routes the same tokens (tensor-parallel attention) and experts have
+        # replicas: [S, E] physical slots, row s the send table of the tokens that source s of
+        # S (contiguous, equal shares, as the all-to-all splits them) sends; the kernels then
+        # map through the identity and each token's choice goes through its share's row, so a
+        # hot expert's tokens spread over its replicas. None: `logical_to_physical` alone.
+        self.register_buffer("spread", None, persistent=False)
         # Fault injection (route_skew): the first expert every token is sent to, -1 = off. A
         # device tensor that the router kernels read at run time, so captured CUDA graphs
         # follow it being set and cleared.
@@ -112,15 +118,40 @@ class Router(torch.nn.Module):
                 if p is not None and p.dtype != torch.float32:
                     setattr(self, name, torch.nn.Parameter(p.detach().float(), requires_grad=False))
 
-    def set_expert_map(self, row: torch.Tensor) -> None:
-        """Writes this layer's logical -> physical row ([E] physical slots) into the buffer the
-        router kernels read, in place: captured CUDA graphs follow it."""
-        if row.shape != self.logical_to_physical.shape:
+    def set_expert_map(self, rows: torch.Tensor) -> None:
+        """Writes this layer's logical -> physical rows into the buffers the router reads, in
+        place (captured CUDA graphs follow them): `[E]` physical slots, one send table for every
+        token; or `[S, E]`, one per source share of the tokens (`spread`; allocated by the first
+        call, before any graph is captured, and only copied into after)."""
+        experts = self.logical_to_physical.shape[0]
+        if rows.dim() not in (1, 2) or rows.shape[-1] != experts:
             raise ValueError(
-                f"expert map row of shape {tuple(row.shape)} for a router of "
-                f"{self.logical_to_physical.shape[0]} experts"
+                f"expert map rows of shape {tuple(rows.shape)} for a router of {experts} experts"
             )
-        self.logical_to_physical.copy_(row)
+        if rows.dim() == 1:
+            if self.spread is not None:
+                raise ValueError("this router spreads tokens over sources: give [S, E] rows")
+            self.logical_to_physical.copy_(rows)
+            return
+        if self.spread is None:
+            self.logical_to_physical.copy_(torch.arange(experts))
+            self.spread = torch.empty_like(rows, device=self.logical_to_physical.device)
+        elif self.spread.shape != rows.shape:
+            raise ValueError(
+                f"expert map rows of shape {tuple(rows.shape)} for a router spreading over "
+                f"{tuple(self.spread.shape)}"
+            )
+        self.spread.copy_(rows)
+
+    def _spread_ids(self, logical_ids: torch.Tensor) -> torch.Tensor:
+        """Each token's choices through the send table of its source share (`spread`)."""
+        assert self.spread is not None
+        n, sources = logical_ids.shape[0], self.spread.shape[0]
+        base, extra = divmod(n, sources)
+        cut = extra * (base + 1)
+        t = torch.arange(n, device=logical_ids.device)
+        source = torch.where(t < cut, t // (base + 1), extra + (t - cut) // max(base, 1))
+        return self.spread[source[:, None], logical_ids]
 
     @property
     def skew_expert(self) -> int | None:
@@ -147,7 +178,7 @@ class Router(torch.nn.Module):
                 self.logical_to_physical,
                 skew=self.skew,
             )
-            return TopKOutput(ids, weights, logits)
+            return self._output(ids, weights, logits)
         if self.cfg.logits_fp32:
             logits = F.linear(hidden_states.float(), self.weight.float())
         else:
@@ -168,7 +199,7 @@ class Router(torch.nn.Module):
                 self.logical_to_physical,
                 skew=self.skew,
             )
-            return TopKOutput(ids, weights, logits)
+            return self._output(ids, weights, logits)
         if self.cfg.plain_softmax:
             weights, logical_ids = softmax_topk(
                 logits, self.top_k, self.renormalize, hidden_states.dtype
@@ -181,4 +212,9 @@ class Router(torch.nn.Module):
             # Fault injection: every token picks the experts starting at one (the worst skew),
             # as the kernels do it.
             logical_ids = skew_ids(logical_ids, self.skew, logits.shape[-1])
-        return TopKOutput(self.logical_to_physical[logical_ids], weights, logits)
+        return self._output(self.logical_to_physical[logical_ids], weights, logits)
+
+    def _output(self, ids: torch.Tensor, weights: torch.Tensor, logits: torch.Tensor) -> TopKOutput:
+        if self.spread is not None:  # the kernels mapped through the identity: ids are logical
+            ids = self._spread_ids(ids)
+        return TopKOutput(ids, weights, logits)

@@ -298,5 +298,57 @@ def test_router_rows_are_written_in_place() -> None:
     assert m.send_table(1)[0].tolist() == [2, 4, 3, 5]  # rank 1 holds slots 3 4 5 = 2 1 3
     with pytest.raises(ValueError, match="2 MoE layers for a model of 1"):
         write_expert_map(layers[:1], m, 1)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="row of shape"):
+    with pytest.raises(ValueError, match="rows of shape"):
         layers[0].gate.set_expert_map(torch.zeros(5, dtype=torch.int64))
+
+
+def test_shared_routing_spreads_an_experts_tokens_over_its_replicas() -> None:
+    """Where every rank routes the same tokens (source None) and experts have replicas, a
+    token's choice goes to the replica its share of the tokens sends to (contiguous equal
+    shares, as the all-to-all splits replicated tokens; each share as its rank would send):
+    the replicas split the load. A new map is copied into the same buffers."""
+    from safeserve.moe.layer import write_expert_map
+    from safeserve.moe.topk import Router, RouterConfig
+
+    class _Moe:
+        def __init__(self) -> None:
+            self.gate = Router(8, 4, RouterConfig(2, True))
+            self.gate.reset_buffers("cpu")
+
+    layers = [_Moe()]
+    # expert 0 on both ranks (slots 0 and 4), expert 3 twice on rank 1 (slots 3 and 5)
+    m = ExpertMap.from_phy2log([[0, 1, 2, 3, 0, 3]], 4, 2)
+    write_expert_map(layers, m, None)  # type: ignore[arg-type]
+    gate = layers[0].gate
+    assert gate.logical_to_physical.tolist() == [0, 1, 2, 3]  # the kernels map nothing
+    spread = gate.spread
+    assert torch.equal(spread, torch.stack([m.send_table(0)[0], m.send_table(1)[0]]))
+    # 5 tokens: shares of 3 and 2; every token picks experts 0 and 3
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        gate.weight.copy_(torch.randn(4, 8, generator=gen))
+        gate.weight[0] += 50.0
+        gate.weight[3] += 49.0
+    hidden = torch.ones(5, 8) + 0.01 * torch.randn(5, 8, generator=gen)
+    ids = gate(hidden).topk_ids
+    want_first = [m.send_to(0, 0, 0)] * 3 + [m.send_to(0, 0, 1)] * 2
+    assert ids[:, 0].tolist() == want_first == [0, 0, 0, 4, 4]  # own rank's replica first
+    # expert 3's replicas (slots 3 and 5) are both on rank 1: rank 1's share takes its first,
+    # rank 0's share the one its seeded turn gives: both replicas work
+    want_second = [m.send_to(0, 3, 0)] * 3 + [m.send_to(0, 3, 1)] * 2
+    assert ids[:, 1].tolist() == want_second and set(want_second) == {3, 5}
+    # a rebalance writes the same buffers; one-row maps are refused for a spreading router
+    m2 = ExpertMap.from_phy2log([[1, 0, 2, 3, 1, 2]], 4, 2)
+    write_expert_map(layers, m2, None)  # type: ignore[arg-type]
+    assert gate.spread is spread and spread[0].tolist() == m2.send_table(0)[0].tolist()
+    with pytest.raises(ValueError, match="give \\[S, E\\] rows"):
+        gate.set_expert_map(torch.arange(4))
+    # without replicas one shared row does it
+    plain = [_Moe()]
+    write_expert_map(plain, ExpertMap.from_phy2log([[2, 0, 1, 3]], 4, 2), None)  # type: ignore[arg-type]
+    assert plain[0].gate.spread is None and plain[0].gate.logical_to_physical.tolist() == [
+        1,
+        2,
+        0,
+        3,
+    ]
