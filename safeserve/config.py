@@ -267,6 +267,13 @@ class ServerArgs:
     watchdog_slow_factor: float = _flag(
         4.0, "'slow': a rank's own step time above this many times the group median.", "health"
     )
+    canary_interval_s: float = _flag(
+        0.0,
+        "Every this many seconds each READY group answers a short fixed greedy prompt through "
+        "the serving path; tokens other than its first answer's are a 'corrupt' verdict that "
+        "fences the group (a GPU computing wrong results). 0: off.",
+        "health",
+    )
     watchdog_slow_window_s: float = _flag(
         3.0, "'slow' must hold this long (sustained) before it is reported.", "health"
     )
@@ -332,6 +339,8 @@ class ServerArgs:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive")
         if not self.watchdog_slow_window_s >= 0:
             raise ConfigError("--watchdog-slow-window-s must be >= 0")
+        if not self.canary_interval_s >= 0:
+            raise ConfigError("--canary-interval-s must be >= 0 (0: off)")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be in 0..65535 (0: any free port), got {self.port}")
         if not 0 <= self.admin_port_effective <= 65535:

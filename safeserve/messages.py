@@ -64,14 +64,15 @@ class Shutdown:
     pass
 
 
-FAULT_KINDS = ("route_skew", "slow_rank", "clear")
+FAULT_KINDS = ("route_skew", "slow_rank", "corrupt", "clear")
 
 
 @dataclass
 class InjectFault:
     """Fault injection (only with --enable-fault-injection): `route_skew` sends every top-k
     choice to the experts starting at `expert`; `slow_rank` delays `rank`'s steps by `delay_s`;
-    `clear` removes every fault."""
+    `corrupt` damages `rank`'s weights in place (a device computing wrong results; only a
+    restart, which reloads them, undoes it); `clear` removes every other fault."""
 
     kind: str
     expert: int | None = None

@@ -137,17 +137,21 @@ class Engine:
         return replace(self.guard_info, prefill=self.sizer.sizing)
 
     def inject_fault(self, fault: InjectFault) -> None:
+        corrupt = self.faults.corrupt_ranks  # damaged weights stay damaged: `clear` keeps them
         if fault.kind == "clear":
-            self.faults = Faults()
+            self.faults = Faults(corrupt_ranks=corrupt)
         elif fault.kind == "route_skew":
-            self.faults = Faults(fault.expert, dict(self.faults.delay_s))
+            self.faults = Faults(fault.expert, dict(self.faults.delay_s), corrupt)
         elif fault.kind == "slow_rank":
             delays = dict(self.faults.delay_s)
             if fault.rank is None or fault.delay_s <= 0:
                 delays.pop(fault.rank, None)  # type: ignore[arg-type]
             else:
                 delays[fault.rank] = fault.delay_s
-            self.faults = Faults(self.faults.route_skew_expert, delays)
+            self.faults = Faults(self.faults.route_skew_expert, delays, corrupt)
+        elif fault.kind == "corrupt" and fault.rank is not None:
+            more = tuple(sorted({*corrupt, fault.rank}))
+            self.faults = Faults(self.faults.route_skew_expert, dict(self.faults.delay_s), more)
         logger.warning("fault injection: %s -> %s", fault, self.faults)
 
     # -- start-up -------------------------------------------------------------------------------

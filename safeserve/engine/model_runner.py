@@ -10,6 +10,7 @@ Start-up sizing and what a rank reports are in `rank_setup.py`, its CUDA graphs 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
@@ -42,6 +43,8 @@ from safeserve.model.sharding import expert_split, moe_layers, starting_expert_m
 from safeserve.moe.dispatch import StepTokens, make_dispatcher
 from safeserve.moe.expert_map import ExpertMap
 from safeserve.parallel.comm import Comm, Layout
+
+logger = logging.getLogger(__name__)
 
 PhaseCallback = Callable[[int, str], None]
 
@@ -111,6 +114,7 @@ class ModelRunner:
         if self.dispatcher is not None:
             self.dispatcher.buffers = self.buffers
         self.faults = Faults()
+        self.corrupted = False  # fault injection `corrupt` damaged the weights (for good)
         self.serving = False  # set by begin_serving()
         self.startup_peak_bytes: int | None = None  # set by begin_serving()
         self.last_own_step_s = 0.0  # this rank's step time outside collectives
@@ -173,7 +177,21 @@ class ModelRunner:
             for layer in self.model.layers:
                 if layer.is_moe:
                     layer.mlp.gate.skew_expert = faults.route_skew_expert
+        if self.layout.rank in faults.corrupt_ranks and not self.corrupted:
+            self._corrupt_weights()
         self.faults = faults
+
+    def _corrupt_weights(self) -> None:
+        """Fault injection `corrupt`: every other row of every floating-point matrix of this
+        rank scaled by -4 in place (a sign and an exponent bit flipped), as bad memory would
+        leave them: the rank keeps running and beating, and computes wrong results. In place, so
+        captured CUDA graphs compute with the damaged weights too."""
+        logger.warning("fault injection: corrupting this rank's weights")
+        self.corrupted = True
+        with torch.no_grad():
+            for p in self.model.parameters():
+                if p.dim() >= 2 and p.dtype in (torch.float32, torch.bfloat16, torch.float16):
+                    p[::2].mul_(-4.0)
 
     def agree_min(self, value: int) -> int:
         """The group's smallest `value` (KV blocks, the receive budget, a capture's success),

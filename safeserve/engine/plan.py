@@ -47,6 +47,7 @@ class Faults:
 
     route_skew_expert: int | None = None
     delay_s: dict[int, float] = field(default_factory=dict)  # rank -> delay per step
+    corrupt_ranks: tuple[int, ...] = ()  # ranks whose weights are damaged (for good)
 
 
 @dataclass(frozen=True)

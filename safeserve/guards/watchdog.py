@@ -11,6 +11,8 @@ Verdicts:
   first (its peers wait for it in a collective).
 - `slow`: a rank's own step time (outside collectives) stays far above its peers' median for
   `--watchdog-slow-window-s`. Reported, not fenced.
+- `corrupt`: the group's canary (`canary.py`) answered wrong twice in a row: a device computes
+  wrong results. The group is fenced; which rank is not known (`rank` None).
 
 Warm-up and first-step compilation do not count: the watchdog arms when the group is READY, and
 a rank that is busy (using CPU or GPU) in a long phase is working, not stalled.
@@ -39,15 +41,15 @@ EPLB_MOVE_GRACE = 4
 
 
 # Every verdict kind (the `verdict` label of `safeserve:watchdog_verdicts_total`).
-VERDICT_KINDS = ("crashed", "dead", "stalled", "slow")
-FENCING = ("crashed", "dead", "stalled")
+VERDICT_KINDS = ("crashed", "dead", "stalled", "slow", "corrupt")
+FENCING = ("crashed", "dead", "stalled", "corrupt")
 
 
 @dataclass
 class Verdict:
     kind: str  # one of VERDICT_KINDS
     group: int
-    rank: int
+    rank: int | None  # None: the group as a whole (corrupt)
     reason: str
     at: float = field(default_factory=time.time)
     exit_code: int | None = None  # crashed, dead: the process's exit code (< 0: the signal)

@@ -12,6 +12,7 @@ RUNBOOK_FOR_VERDICT = {
     "dead": "rank-dead",
     "stalled": "rank-stalled",
     "slow": "rank-slow",
+    "corrupt": "rank-corrupt",
 }
 RECENT_S = 3600.0  # verdicts older than this no longer point to a runbook
 # At or below this balancedness (last 10 passes) the routing counts as skewed: for EP2 it means
@@ -38,6 +39,11 @@ def _ago(at: float | None, now: float) -> str:
     )
 
 
+def _culprit(verdict: dict[str, Any]) -> str:
+    """`rank N`, or `group` for a verdict on the group as a whole (corrupt)."""
+    return "group" if verdict.get("rank") is None else f"rank {verdict['rank']}"
+
+
 def _gib(x: float | None) -> str | None:
     return None if x is None else f"{x / 2**30:.2f}Gi"
 
@@ -47,7 +53,7 @@ def groups_table(groups: list[dict[str, Any]], now: float | None = None) -> str:
     rows = []
     for g in groups:
         last = g["verdicts"][-1] if g.get("verdicts") else None
-        verdict = f"{last['kind']} rank {last['rank']} {_ago(last['at'], now)}" if last else None
+        verdict = f"{last['kind']} {_culprit(last)} {_ago(last['at'], now)}" if last else None
         rows.append(
             [
                 g["id"],
@@ -147,7 +153,7 @@ def runbooks_for(
         if name and name not in seen and now - v["at"] <= RECENT_S:
             seen.add(name)
             out.append(
-                (name, f"watchdog verdict {v['kind']} on rank {v['rank']} {_ago(v['at'], now)}")
+                (name, f"watchdog verdict {v['kind']} on {_culprit(v)} {_ago(v['at'], now)}")
             )
     cut = sum((r.get("dispatch") or {}).get("dispatch_cut_total", 0) or 0 for r in g["ranks"])
     skew = []
@@ -235,7 +241,7 @@ def describe_group(
         "Verdicts:",
     ]
     lines += [
-        f"  {_ago(v['at'], now):>9}  {v['kind']:<8} rank {v['rank']}: {v['reason']}"
+        f"  {_ago(v['at'], now):>9}  {v['kind']:<8} {_culprit(v)}: {v['reason']}"
         for v in g.get("verdicts", [])
     ] or ["  <none>"]
     lines.append("Suspects:")  # a request that was on a failed group, running here now

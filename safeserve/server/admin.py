@@ -267,6 +267,8 @@ def _parse_fault(state: ServerState, body: Any) -> tuple[InjectFault, list]:
         raise bad_request(f"group must be one of {sorted(ids)}", "group")
     if not isinstance(rank, int) or not 0 <= rank < state.args.tp_size:
         raise bad_request(f"rank must be an integer in [0, {state.args.tp_size})", "rank")
+    if kind == "corrupt":
+        return InjectFault("corrupt", rank=rank), [ids[group]]
     if not isinstance(delay, (int, float)) or not 0 <= delay <= MAX_FAULT_DELAY_S:
         raise bad_request(f"delay_s must be a number in [0, {MAX_FAULT_DELAY_S:g}]", "delay_s")
     return InjectFault("slow_rank", rank=rank, delay_s=float(delay)), [ids[group]]

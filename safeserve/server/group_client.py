@@ -24,6 +24,7 @@ import zmq.asyncio
 
 from safeserve.config import ServerArgs
 from safeserve.engine.rank_worker import GroupAddresses, run_rank
+from safeserve.guards import canary
 from safeserve.guards.watchdog import Verdict, Watchdog, death_verdict, signal_name
 from safeserve.messages import (
     AbortRequest,
@@ -49,6 +50,9 @@ logger = logging.getLogger(__name__)
 # How long a rank's death may take to settle (its exit code known, the fatal error it reported
 # read) before the verdict is given: the verdict then names the culprit and its cause.
 SETTLE_S = 1.0
+# A canary that has no answer by then counts as `timeout` (no verdict: a group that makes no
+# progress is the watchdog's `stalled`).
+CANARY_TIMEOUT_S = 60.0
 
 
 class GroupUnavailable(RuntimeError):
@@ -102,6 +106,9 @@ class GroupClient:
         self.ranks = {r: RankStatus(r) for r in range(args.tp_size)}
         self.queues: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._eplb_waiting: dict[str, asyncio.Future[EplbReply]] = {}  # admin commands asked
+        # the canary's first answer of this incarnation, and one canary run at a time
+        self.canary_reference: canary.CanaryAnswer | None = None
+        self._canary_lock = asyncio.Lock()
         self._ready_event = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._ipc_dir = tempfile.mkdtemp(prefix=f"safeserve-g{group}-")
@@ -146,6 +153,8 @@ class GroupClient:
             asyncio.create_task(self._read_heartbeats()),
             asyncio.create_task(self._watch()),
         ]
+        if self.args.canary_interval_s > 0:
+            self._tasks.append(asyncio.create_task(self._canary_loop()))
 
     async def wait_ready(self, timeout: float) -> None:
         await asyncio.wait_for(self._ready_event.wait(), timeout)
@@ -210,6 +219,89 @@ class GroupClient:
             return await asyncio.wait_for(fut, timeout)
         finally:
             self._eplb_waiting.pop(request_id, None)
+
+    # -- the canary ---------------------------------------------------------------------------
+    async def run_canary(self) -> canary.CanaryRun:
+        """Runs the canary once (guards/canary.py): the first answer of this incarnation is its
+        reference; an answer unlike it is checked once more at once, and two in a row are a
+        `corrupt` verdict that fences the group. One run at a time (a second caller waits)."""
+        async with self._canary_lock:
+            start = time.monotonic()
+            run = await self._canary_run()
+            run.latency_s = time.monotonic() - start
+        if self.metrics is not None:
+            self.metrics.canary_runs.labels(str(self.group), run.result).inc()
+        return run
+
+    async def _canary_run(self) -> canary.CanaryRun:
+        if not self.ready:
+            return canary.CanaryRun(
+                self.group, "unavailable", [], f"group {self.group} is {self.state.value}"
+            )
+        try:
+            answer = await self._canary_answer()
+            if answer is None:
+                return canary.CanaryRun(self.group, "unavailable", [], "the group failed")
+            if self.canary_reference is None:
+                self.canary_reference = answer
+                return canary.CanaryRun(self.group, "reference", answer.tokens)
+            why = canary.compare(self.canary_reference, answer)
+            if why is None:
+                return canary.CanaryRun(self.group, "ok", answer.tokens)
+            logger.warning("group %d canary answered wrong (%s): checking again", self.group, why)
+            again = await self._canary_answer()
+            if again is None:
+                return canary.CanaryRun(self.group, "unavailable", [], "the group failed")
+            why_again = canary.compare(self.canary_reference, again)
+            if why_again is None:
+                return canary.CanaryRun(self.group, "ok", again.tokens, f"once: {why}")
+        except TimeoutError:
+            return canary.CanaryRun(
+                self.group, "timeout", [], f"no answer within {CANARY_TIMEOUT_S:g} s"
+            )
+        except RuntimeError as e:
+            return canary.CanaryRun(self.group, "error", [], str(e))
+        if self.state is GroupState.READY:
+            reason = (
+                f"the canary answered wrong twice in a row: {why_again} (reference tokens "
+                f"{self.canary_reference.tokens}, got {again.tokens})"
+            )
+            self._record(Verdict("corrupt", self.group, None, reason))
+            self._fail(f"watchdog: corrupt: {reason}")
+        return canary.CanaryRun(self.group, "corrupt", again.tokens, why_again)
+
+    async def _canary_answer(self) -> canary.CanaryAnswer | None:
+        """The canary prompt's answer from the group (None: the group failed meanwhile)."""
+        assert self.ready_info is not None
+        rid = f"__canary_{uuid.uuid4().hex}__"
+        prompt = canary.canary_prompt(self.ready_info.vocab_size)
+        q = self.submit(rid, prompt, canary.canary_params())
+        tokens: list[int] = []
+        logprobs: list = []
+        deadline = time.monotonic() + CANARY_TIMEOUT_S
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                o = await asyncio.wait_for(q.get(), left)
+                tokens += o.new_token_ids
+                logprobs += o.logprobs or []
+                if o.finish_reason is None:
+                    continue
+                if o.finish_reason == "group_failed":
+                    return None
+                if o.finish_reason != "length":
+                    raise RuntimeError(f"the canary ended with {o.finish_reason}: {o.error}")
+                return canary.CanaryAnswer(tokens, logprobs)
+        finally:
+            self.abort(rid)
+
+    async def _canary_loop(self) -> None:
+        await self._ready_event.wait()
+        while self.state is GroupState.READY:
+            await self.run_canary()
+            await asyncio.sleep(self.args.canary_interval_s)
 
     def release(self, rid: str) -> None:
         """The request finished normally: forget its queue."""

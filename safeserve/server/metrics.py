@@ -116,8 +116,17 @@ METRICS: tuple[MetricSpec, ...] = (
         "watchdog_verdicts",
         Counter,
         "watchdog_verdicts",
-        "Watchdog verdicts: dead, crashed and stalled fence the group; slow is reported only.",
+        "Watchdog verdicts: dead, crashed, stalled and corrupt fence the group; slow is reported "
+        "only.",
         ("group", "verdict"),
+    ),
+    MetricSpec(
+        "canary_runs",
+        Counter,
+        "canary_runs",
+        "Canary runs (--canary-interval-s, GET /health/generate) by result: reference (a group's "
+        "first), ok, corrupt (wrong twice: the group is fenced), timeout, error, unavailable.",
+        ("group", "result"),
     ),
     MetricSpec(
         "dispatch_budget",

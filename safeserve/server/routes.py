@@ -1,4 +1,5 @@
-"""The HTTP handlers of the public port: `/health`, `/ready`, `/metrics`, `/v1/models[/{id}]`,
+"""The HTTP handlers of the public port: `/health`, `/ready`, `/health/generate`, `/metrics`,
+`/v1/models[/{id}]`,
 `/v1/completions` and `/v1/chat/completions`.
 
 Each handler stays thin: the key (401), then the front door's media type check in `edge.py`
@@ -17,11 +18,12 @@ from safeserve.server import intake as I
 from safeserve.server import protocol as P
 from safeserve.server import schemas as S
 from safeserve.server.edge import check_content_type
-from safeserve.server.errors import require_bearer
+from safeserve.server.errors import bad_request, require_bearer, unavailable
 from safeserve.server.gauges import refresh_gauges
 from safeserve.server.openapi import error_responses, json_body, streamed
 from safeserve.server.responses import collect_response, stream_response
 from safeserve.server.state import ServerState
+from safeserve.server.supervisor import Supervisor
 
 
 def install_routes(app: FastAPI, state: ServerState) -> None:
@@ -44,6 +46,24 @@ def install_routes(app: FastAPI, state: ServerState) -> None:
             "groups": _group_states(state),
         }
         return JSONResponse(body, status_code=200 if n else 503)
+
+    @app.get("/health/generate", include_in_schema=False)
+    async def health_generate(request: Request) -> Response:
+        # A real forward pass: the canary (guards/canary.py) on one READY group, `?group=N` or
+        # the least loaded. A wrong answer twice in a row fences that group (`corrupt`).
+        _check_auth(state, request)
+        sup = _canary_group(state, request.query_params.get("group"))
+        assert sup.client is not None
+        run = await sup.client.run_canary()
+        ok = run.result in ("ok", "reference")
+        body = {
+            "status": "ok" if ok else run.result,
+            "group": run.group,
+            "tokens": run.tokens,
+            "latency_s": round(run.latency_s, 4),
+            "reason": run.reason,
+        }
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics() -> Response:
@@ -99,6 +119,17 @@ def install_routes(app: FastAPI, state: ServerState) -> None:
         gen = I.start(state, "chatcmpl-", prompt_ids, req, max_tokens, shape, True)
         answer = stream_response if req.stream else collect_response
         return await answer(request, state, gen, shape)
+
+
+def _canary_group(state: ServerState, raw: str | None) -> Supervisor:
+    ready = {s.group: s for s in state.supervisors if s.ready}
+    if raw is not None:
+        if not raw.isdigit() or int(raw) not in ready:
+            raise bad_request(f"group must be one of the READY groups {sorted(ready)}", "group")
+        return ready[int(raw)]
+    if not ready or state.router is None:
+        raise unavailable("no group is READY", retry_after=5.0)
+    return state.router.pick()
 
 
 def _group_states(state: ServerState) -> dict[str, str]:

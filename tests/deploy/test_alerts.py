@@ -127,6 +127,7 @@ VERDICT_ALERTS = {
     "stalled": "SafeserveRankStalled",
     "crashed": "SafeserveRankCrashed",
     "slow": "SafeserveRankSlow",
+    "corrupt": "SafeserveGroupCorrupt",
 }
 
 
