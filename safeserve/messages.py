@@ -129,7 +129,8 @@ class EplbCheck:
     balancedness_before: float  # of those passes' routing under the placement then
     outcome: str  # "rebalanced", "in_progress" (weights still moving) or "skipped"
     reason: str  # why it was skipped, or what moves
-    balancedness_predicted: float | None = None  # of the same routing under the new placement
+    # of the same routing under the new placement, each token sent where the routers send it
+    balancedness_predicted: float | None = None
     # measured over the passes since the move finished (None until some ran)
     balancedness_after: float | None = None
     layers_moved: int = 0

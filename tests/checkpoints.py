@@ -131,13 +131,19 @@ def skew_router(model: Any) -> None:
                     layer.mlp.gate.weight[e, 0] = w
 
 
-def greedy_continuations(model: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
+def greedy_continuations(
+    model: Path, prompts: list[list[int]], n: int, cached: bool = False
+) -> list[list[int]]:
     """transformers' float32 greedy continuations of `prompts`, `n` tokens each (EOS not
-    special: what a request with ignore_eos returns)."""
+    special: what a request with ignore_eos returns). Each token is computed over the whole
+    sequence again, or with `cached`, from transformers' KV cache, the prompts of equal length
+    in one batch (for long continuations)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    if cached:
+        return _cached_continuations(hf, prompts, n)
     out = []
     with torch.no_grad():
         for p in prompts:
@@ -147,3 +153,25 @@ def greedy_continuations(model: Path, prompts: list[list[int]], n: int) -> list[
                 ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
             out.append(ids[0, len(p) :].tolist())
     return out
+
+
+def _cached_continuations(hf: Any, prompts: list[list[int]], n: int) -> list[list[int]]:
+    import torch
+
+    out: dict[int, list[int]] = {}
+    by_length: dict[int, list[int]] = {}
+    for i, p in enumerate(prompts):
+        by_length.setdefault(len(p), []).append(i)
+    with torch.no_grad():
+        for rows in by_length.values():
+            res = hf(torch.tensor([prompts[i] for i in rows]), use_cache=True)
+            tokens = []
+            while True:
+                nxt = res.logits[:, -1].argmax(dim=-1)
+                tokens.append(nxt)
+                if len(tokens) == n:
+                    break
+                res = hf(nxt[:, None], cache=res.cache, use_cache=True)
+            for j, i in enumerate(rows):
+                out[i] = [int(t[j]) for t in tokens]
+    return [out[i] for i in range(len(prompts))]

