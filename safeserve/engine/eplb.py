@@ -34,8 +34,8 @@ logger = logging.getLogger(__name__)
 
 # Run an EPLB step on every rank, return each rank's report (Engine.run_eplb).
 RunEplb = Callable[[EplbOp], list[EplbRankReport]]
-# Routed tokens per (layer, logical expert) by who routed them: an EP rank with its own send
-# table, or None, the group's shared one (`ExpertMap.send_rows`).
+# Routed tokens per (layer, logical expert) by who routed them: an EP rank (its candidates), or
+# None (every replica: `ExpertMap.candidates`).
 Sources = list[tuple[int | None, torch.Tensor]]
 
 
@@ -113,10 +113,12 @@ class EplbController:
         return counts, reports[0].passes
 
     def _sources(self, reports: Sequence[EplbRankReport], counts: torch.Tensor) -> Sources:
-        """Who routed the counted tokens: each EP rank its own (attention data-parallel), or
-        the group one shared choice."""
+        """Who routed the counted tokens: each EP rank its own (attention data-parallel); where
+        every rank routes the same tokens, each rank's equal share of them spreads as that rank
+        would (`moe/topk.py`, `Router.spread`)."""
         if not self.counts_summed:
-            return [(None, counts)]
+            ep = len(reports)
+            return [(r, counts.to(torch.float64) / ep) for r in range(ep)]
         return [(r, torch.tensor(rep.counts, dtype=torch.int64)) for r, rep in enumerate(reports)]
 
     def _check(self, counts: torch.Tensor, passes: int, sources: Sources) -> None:
@@ -264,18 +266,19 @@ class EplbController:
 def predicted_balancedness(expert_map: ExpertMap, sources: Sources) -> float:
     """The balancedness the routed tokens of `sources` would have under `expert_map`: the mean
     over layers of (mean rank load) / (max rank load), each source's `counts[L, E]` (tokens per
-    logical expert) sent where the routers send them (`ExpertMap.send_to` of its EP rank, or of
-    None: the group's shared choice). A replica takes the tokens of the sources sent to it, not
-    an equal share of its expert's: a second replica on one rank, or a replica no source
-    chooses, takes none."""
+    logical expert) split equally over its candidates (`ExpertMap.candidates` of its EP rank,
+    or of None: every replica), as the routers spread them. A rank's tokens stay on its own
+    replicas where it holds any, so a replica only non-holders reach takes less than an equal
+    share of its expert's tokens."""
     m = expert_map
     values = []
     for layer in range(m.num_layers):
         loads = [0.0] * m.ep_size
         for source, counts in sources:
             row = counts[layer].tolist()
-            send = m.send_rows(source)[layer]
+            cands = m.candidate_rows(source)[layer]
             for e in range(m.num_logical):
-                loads[m.rank_of(send[e])] += row[e]
+                for p in cands[e]:
+                    loads[m.rank_of(p)] += row[e] / len(cands[e])
         values.append(layer_balancedness(loads))
     return sum(values) / len(values) if values else 1.0

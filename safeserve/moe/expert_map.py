@@ -5,9 +5,9 @@ There are `num_physical` = `num_logical` + redundant physical slots per MoE laye
 as that rank's local slot `p % slots_per_rank` (the convention of DeepSeek's EPLB,
 `eplb/algorithm.py`, whose `rebalance_experts` output this map is built from). What changes
 between placements is which logical expert each slot holds, per layer (`phy2log`), hence each
-logical expert's replicas (`log2phy`, with their counts `logcnt`) and the replica a rank sends a
-token to (`send_to`: its own rank's replica where it holds one, else a fair seeded spread over
-the replicas; with tokens on every rank, one shared choice).
+logical expert's replicas (`log2phy`, with their counts `logcnt`) and the replicas a rank spreads
+its tokens over (`candidates`: its own rank's replicas where it holds any, else every replica,
+one token to each in turn).
 
 Everything is read from here: the routers map logical ids through the rank's send table, the
 dispatchers and the expert runner turn physical ids into ranks and local slots, admission sizes
@@ -43,7 +43,7 @@ class ExpertMap:
     seed: int = 0
     # derived in __post_init__: per layer, per logical expert, its slots ascending
     _log2phy: tuple[tuple[tuple[int, ...], ...], ...] = field(init=False, repr=False, compare=False)
-    _send: dict[int, tuple[tuple[int, ...], ...]] = field(
+    _send: dict[int, tuple[tuple[tuple[int, ...], ...], ...]] = field(
         init=False, repr=False, compare=False, hash=False
     )
 
@@ -169,26 +169,36 @@ class ExpertMap:
 
     # -- which replica a rank sends a token to ---------------------------------------------------
 
-    def send_to(self, layer: int, logical: int, rank: int | None) -> int:
-        """The physical slot a token on EP rank `rank` choosing `logical` in `layer` goes to:
-        the first replica on `rank` where it holds one, else one replica by a fair seeded spread
-        (the ranks holding none take the replicas in turn, from a seeded offset per expert).
+    def candidates(self, layer: int, logical: int, rank: int | None) -> tuple[int, ...]:
+        """The replicas that the tokens of EP rank `rank` choosing `logical` in `layer` are
+        spread over, a token to each in turn (by its index in the batch): the rank's own
+        replicas where it holds any (no transfer), ascending; else every replica, from a
+        seeded offset per expert plus this rank's turn among the ranks holding none (so that
+        their first tokens go to different replicas). Equal shares per replica, as the EPLB
+        placement assumes.
 
-        `rank` None: the group's shared choice, for tokens every rank holds and routes alike
-        (tensor-parallel attention: the ranks must agree on each token's replica, or a token
-        would be computed on two): the replica at the seeded offset."""
-        return self.send_rows(rank)[layer][logical]
+        `rank` None: tokens every rank holds and routes alike: every replica, from the seeded
+        offset (the routers then spread each share of the tokens as its rank would)."""
+        return self.candidate_rows(rank)[layer][logical]
+
+    def send_to(self, layer: int, logical: int, rank: int | None) -> int:
+        """The first of `candidates`: where a lone token goes."""
+        return self.candidate_rows(rank)[layer][logical][0]
 
     def send_rows(self, rank: int | None) -> tuple[tuple[int, ...], ...]:
         """`send_to` of every (layer, logical expert) for `rank`: `[L][E]` physical slots."""
+        return tuple(tuple(c[0] for c in row) for row in self.candidate_rows(rank))
+
+    def candidate_rows(self, rank: int | None) -> tuple[tuple[tuple[int, ...], ...], ...]:
+        """`candidates` of every (layer, logical expert) for `rank`: `[L][E]` slot tuples."""
         if rank is not None:
             self._check_rank(rank)
         key = -1 if rank is None else rank
         if key not in self._send:
-            self._send[key] = self._send_rows(rank)
+            self._send[key] = self._candidate_rows(rank)
         return self._send[key]
 
-    def _send_rows(self, rank: int | None) -> tuple[tuple[int, ...], ...]:
+    def _candidate_rows(self, rank: int | None) -> tuple[tuple[tuple[int, ...], ...], ...]:
         rng = random.Random(self.seed)  # one offset per (layer, expert), in that order
         out = []
         for layer in range(self.num_layers):
@@ -196,17 +206,16 @@ class ExpertMap:
             for logical in range(self.num_logical):
                 reps = self._log2phy[layer][logical]
                 offset = rng.randrange(len(reps))
-                if rank is None:
-                    row.append(reps[offset])
-                    continue
-                own = [p for p in reps if self.rank_of(p) == rank]
+                own = tuple(p for p in reps if rank is not None and self.rank_of(p) == rank)
                 if own:
-                    row.append(own[0])
+                    row.append(own)
                     continue
-                # this rank's turn among the ranks holding no replica
-                holders = {self.rank_of(p) for p in reps}
-                turn = sum(1 for r in range(rank) if r not in holders)
-                row.append(reps[(offset + turn) % len(reps)])
+                turn = 0
+                if rank is not None:  # this rank's turn among the ranks holding none
+                    holders = {self.rank_of(p) for p in reps}
+                    turn = sum(1 for r in range(rank) if r not in holders)
+                start = (offset + turn) % len(reps)
+                row.append(reps[start:] + reps[:start])
             out.append(tuple(row))
         return tuple(out)
 
@@ -237,6 +246,24 @@ class ExpertMap:
 
         counts = [[len(s) for s in experts] for experts in self._log2phy]
         return torch.tensor(counts, dtype=torch.int64).view(self.num_layers, self.num_logical)
+
+    def candidate_table(
+        self, rank: int | None, device: torch.device | str = "cpu"
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`candidates` of `rank` as tensors on `device`: `[L, E, max_replicas]` int64 slots
+        (each row's candidates repeated to the width) and `[L, E]` int64 their counts; a token
+        at index t choosing e takes `slots[layer, e, t % counts[layer, e]]`."""
+        import torch
+
+        rows = self.candidate_rows(rank)
+        width = self.max_replicas
+        slots = [[[c[i % len(c)] for i in range(width)] for c in row] for row in rows]
+        counts = [[len(c) for c in row] for row in rows]
+        shape = (self.num_layers, self.num_logical)
+        return (
+            torch.tensor(slots, dtype=torch.int64, device=device).view(*shape, width),
+            torch.tensor(counts, dtype=torch.int64, device=device).view(*shape),
+        )
 
     def send_table(self, rank: int | None, device: torch.device | str = "cpu") -> torch.Tensor:
         """[L, E] int64 on `device`: the physical slot `rank` sends each (layer, expert) to (the

@@ -100,9 +100,10 @@ class MoELayer(torch.nn.Module):
 
 
 def write_expert_map(layers: Sequence[MoELayer], expert_map: ExpertMap, source: int | None) -> None:
-    """Each MoE layer's router row of the send table of `source` (this rank's EP rank where it
-    routes its own tokens, None where every rank routes the same ones: `routing_source`; then,
-    with replicas, every rank's table, one per share of the tokens),
+    """Each MoE layer's router map from `expert_map`: the send table of `source` (this rank's EP
+    rank where it routes its own tokens, None where every rank routes the same ones:
+    `routing_source`); with redundant experts the candidates that tokens spread over (of
+    `source`, or with None of every rank, one per share of the tokens),
     `layers` in MoE-layer order, one per row of the map; copied in place into the routers'
     buffers."""
     if len(layers) != expert_map.num_layers:
@@ -111,13 +112,16 @@ def write_expert_map(layers: Sequence[MoELayer], expert_map: ExpertMap, source: 
         )
     if not layers:
         return
-    if source is None and expert_map.num_physical > expert_map.num_logical:
-        # Every rank routes the same tokens and experts have replicas: a token's replica follows
-        # the share of the tokens it falls in (each share sends as its rank would), so replicas
-        # split an expert's load instead of one of them taking all of it.
-        shares = [expert_map.send_table(r) for r in range(expert_map.ep_size)]
-        table = torch.stack(shares, dim=1)  # [L, S, E]
-    else:
-        table = expert_map.send_table(source)  # [L, E]
-    for layer, rows in zip(layers, table, strict=True):
-        layer.gate.set_expert_map(rows.to(layer.gate.logical_to_physical.device))
+    if expert_map.num_redundant == 0:  # one replica per expert: a plain [E] row per layer
+        for layer, row in zip(layers, expert_map.send_table(source), strict=True):
+            layer.gate.set_expert_map(row.to(layer.gate.logical_to_physical.device))
+        return
+    # Replicas split an expert's tokens: each source spreads them over its candidates. Where
+    # every rank routes the same tokens, each contiguous share of them spreads as its rank would.
+    sources = [source] if source is not None else list(range(expert_map.ep_size))
+    tables = [expert_map.candidate_table(s) for s in sources]
+    slots = torch.stack([t[0] for t in tables], dim=1)  # [L, S, E, M]
+    counts = torch.stack([t[1] for t in tables], dim=1)  # [L, S, E]
+    for layer, rows, cnt in zip(layers, slots, counts, strict=True):
+        device = layer.gate.logical_to_physical.device
+        layer.gate.set_expert_map(rows.to(device), cnt.to(device))

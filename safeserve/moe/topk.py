@@ -94,12 +94,15 @@ class Router(torch.nn.Module):
         # Logical -> physical expert id: this layer's row of the rank's send table (the expert
         # map's `send_table`), written in place by `set_expert_map`; identity until then.
         self.register_buffer("logical_to_physical", torch.arange(num_experts), persistent=False)
-        # Where every rank routes the same tokens (tensor-parallel attention) and experts have
-        # replicas: [S, E] physical slots, row s the send table of the tokens that source s of
-        # S (contiguous, equal shares, as the all-to-all splits them) sends; the kernels then
-        # map through the identity and each token's choice goes through its share's row, so a
-        # hot expert's tokens spread over its replicas. None: `logical_to_physical` alone.
+        # With redundant experts: `spread[S, E, M]` physical slots and `spread_count[S, E]`,
+        # each source share's candidates per expert (`ExpertMap.candidates`); S is 1 where this
+        # rank routes its own tokens, the EP size where every rank routes the same tokens (share
+        # s: the s-th contiguous equal share of them, as the all-to-all splits them). The
+        # kernels then map through the identity and token t of share s choosing e goes to
+        # `spread[s, e, t % spread_count[s, e]]`: an expert's replicas take equal shares.
+        # None: `logical_to_physical` alone.
         self.register_buffer("spread", None, persistent=False)
+        self.register_buffer("spread_count", None, persistent=False)
         # Fault injection (route_skew): the first expert every token is sent to, -1 = off. A
         # device tensor that the router kernels read at run time, so captured CUDA graphs
         # follow it being set and cleared.
@@ -118,40 +121,57 @@ class Router(torch.nn.Module):
                 if p is not None and p.dtype != torch.float32:
                     setattr(self, name, torch.nn.Parameter(p.detach().float(), requires_grad=False))
 
-    def set_expert_map(self, rows: torch.Tensor) -> None:
-        """Writes this layer's logical -> physical rows into the buffers the router reads, in
-        place (captured CUDA graphs follow them): `[E]` physical slots, one send table for every
-        token; or `[S, E]`, one per source share of the tokens (`spread`; allocated by the first
-        call, before any graph is captured, and only copied into after)."""
+    def set_expert_map(self, rows: torch.Tensor, counts: torch.Tensor | None = None) -> None:
+        """Writes this layer's logical -> physical map into the buffers the router reads, in
+        place (captured CUDA graphs follow them): `rows` `[E]` physical slots, one replica per
+        expert; or `rows` `[S, E, M]` candidates with their `counts` `[S, E]` (`spread`;
+        allocated by the first call, before any graph is captured, and only copied into
+        after)."""
         experts = self.logical_to_physical.shape[0]
-        if rows.dim() not in (1, 2) or rows.shape[-1] != experts:
-            raise ValueError(
-                f"expert map rows of shape {tuple(rows.shape)} for a router of {experts} experts"
-            )
-        if rows.dim() == 1:
+        if rows.dim() == 1 and rows.shape[0] == experts and counts is None:
             if self.spread is not None:
-                raise ValueError("this router spreads tokens over sources: give [S, E] rows")
+                raise ValueError("this router spreads tokens over replicas: give [S, E, M] rows")
             self.logical_to_physical.copy_(rows)
             return
+        if (
+            rows.dim() != 3
+            or rows.shape[1] != experts
+            or counts is None
+            or counts.shape != rows.shape[:2]
+        ):
+            raise ValueError(
+                f"expert map rows of shape {tuple(rows.shape)} (counts "
+                f"{None if counts is None else tuple(counts.shape)}) for a router of {experts} "
+                "experts"
+            )
+        device = self.logical_to_physical.device
         if self.spread is None:
             self.logical_to_physical.copy_(torch.arange(experts))
-            self.spread = torch.empty_like(rows, device=self.logical_to_physical.device)
+            self.spread = torch.empty_like(rows, device=device)
+            self.spread_count = torch.empty_like(counts, device=device)
         elif self.spread.shape != rows.shape:
             raise ValueError(
                 f"expert map rows of shape {tuple(rows.shape)} for a router spreading over "
                 f"{tuple(self.spread.shape)}"
             )
         self.spread.copy_(rows)
+        self.spread_count.copy_(counts)  # type: ignore[union-attr]
 
     def _spread_ids(self, logical_ids: torch.Tensor) -> torch.Tensor:
-        """Each token's choices through the send table of its source share (`spread`)."""
-        assert self.spread is not None
+        """Each token's choices over the candidates of its source share (`spread`), one token
+        to each candidate in turn."""
+        assert self.spread is not None and self.spread_count is not None
         n, sources = logical_ids.shape[0], self.spread.shape[0]
-        base, extra = divmod(n, sources)
-        cut = extra * (base + 1)
         t = torch.arange(n, device=logical_ids.device)
-        source = torch.where(t < cut, t // (base + 1), extra + (t - cut) // max(base, 1))
-        return self.spread[source[:, None], logical_ids]
+        if sources == 1:
+            source = torch.zeros_like(t)
+        else:
+            base, extra = divmod(n, sources)
+            cut = extra * (base + 1)
+            source = torch.where(t < cut, t // (base + 1), extra + (t - cut) // max(base, 1))
+        source = source[:, None].expand_as(logical_ids)
+        turn = t[:, None] % self.spread_count[source, logical_ids]
+        return self.spread[source, logical_ids, turn]
 
     @property
     def skew_expert(self) -> int | None:

@@ -171,13 +171,13 @@ def test_a_threshold_below_the_balancedness_skips_the_rebalance(
     assert "above --eplb-min-rebalancing-utilization-threshold 0.05" in status.last.reason
 
 
-# The acceptance run: attention data-parallel (each rank routes its own tokens, so replicas of
-# an expert on several ranks split its load; with tensor-parallel attention every rank sends an
-# expert's tokens to one shared replica and replicas split nothing), 32 requests of 8 prompt
-# tokens decoding 212 tokens together (8 tokens per rank every pass), 8 experts in 24 slots (16
-# redundant: of 4, 8, 12 and 16, the count whose placement comes closest to 0.9 here), a receive
-# budget of 14 rows per rank per round. The first check comes after 110 passes and the requests
-# end before a second one (220): one rebalance, 100 passes of steady decoding on either side.
+# The acceptance run: attention data-parallel (each rank routes its own tokens), 32 requests of 8
+# prompt tokens decoding 212 tokens together (8 tokens per rank every pass), 8 experts in 16
+# slots (8 redundant: the trivial placement replicates experts 0-7 once, so it starts with
+# replicas too; with 16 redundant it already cuts almost no dispatch and there is little to
+# show), a receive budget of 14 rows per rank per round. The first check comes after 110 passes
+# and the requests end before a second one (220): one rebalance, 100 passes of steady decoding
+# on either side.
 ACCEPTANCE_REQUESTS = (8,) * 32
 ACCEPTANCE_TOKENS = 212
 ACCEPTANCE_INTERVAL = 110
@@ -203,7 +203,7 @@ def acceptance(skewed: Path) -> Acceptance:
         "tp4-ep4-alltoall-dp",
         (ACCEPTANCE_REQUESTS, ACCEPTANCE_TOKENS, False),
         enable_eplb=True,
-        ep_num_redundant_experts=16,
+        ep_num_redundant_experts=8,
         eplb_rebalance_num_iterations=ACCEPTANCE_INTERVAL,
         dispatch_budget_tokens=14,
         # above the safe step (14 rows / 4 groups): the trivial placement's skew cuts
@@ -253,7 +253,7 @@ def test_a_rebalance_raises_the_measured_balancedness_and_admission_cuts_fall(
     )
     _assert_outputs(a.got, a.reference)
     status = a.got[2]
-    assert status.num_physical == 24 and status.rebalances == 1
+    assert status.num_physical == 16 and status.rebalances == 1
     assert status.last_rebalance.passes == ACCEPTANCE_INTERVAL
     assert a.passes_after >= WINDOW
     assert a.balancedness_after > a.balancedness_before
@@ -263,25 +263,23 @@ def test_a_rebalance_raises_the_measured_balancedness_and_admission_cuts_fall(
 
 @pytest.mark.xfail(
     strict=True,
-    reason="below 0.9 on this checkpoint (0.83 measured after the rebalance): the placement "
-    "algorithm assumes replicas share their expert's tokens equally, the routers send a rank's "
-    "tokens to its own replica, and the routing drifts after the check; see the docstring",
+    reason="below 0.9 on this checkpoint (0.77 measured after the rebalance, 0.83 predicted): "
+    "the routing drifts after the check, and 64 routed pairs per layer and pass cannot load "
+    "four ranks evenly; see the docstring",
 )
 def test_balancedness_after_the_rebalance_reaches_0_9(acceptance: Acceptance) -> None:
     """The acceptance bound: >= 0.9 over the 100 passes after the rebalance.
 
-    Not reached by the current placement: 0.593 -> 0.827 measured, where the check predicted
-    0.943 from the first 110 passes' routing. Two causes, reproduced offline from transformers'
-    routing of the same tokens (per-pass and aggregate balancedness agree within 0.01, so the
-    per-pass measurement is not it):
+    Not reached here: 0.60 -> 0.77 measured, where the check predicted 0.83 from the first 110
+    passes' routing (with 16 redundant experts: 0.70 -> 0.86, predicted 0.93). The routers
+    spread an expert's tokens over its candidates one token each in turn
+    (`ExpertMap.candidates`), so the placement's equal-shares assumption holds on average; what
+    is left:
 
-    - DeepSeek's placement (`eplb/algorithm.py`) assumes each replica of an expert takes an
-      equal share of its tokens; the routers send by `ExpertMap.send_to`, a rank's tokens to its
-      own replica where it holds one (a second replica on that rank takes none), else to one
-      seeded replica, so a replica takes whole ranks' tokens. Even a placement computed from the
-      after-window's own routing reaches 0.78-0.87 (4 to 16 redundant) under that rule.
     - This checkpoint's greedy continuations route differently later on (in the second MoE
       layer expert 6 goes from 20 % to 32 % of the pairs), so the placement made from the first
       110 passes is stale for the next 100.
+    - Balancedness is measured per pass and averaged: a decode pass routes 64 (token, expert)
+      pairs per layer here, and their spread over four ranks is lumpy whatever the placement.
     """
     assert acceptance.balancedness_after >= 0.9

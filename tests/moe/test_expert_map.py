@@ -277,78 +277,82 @@ def test_loader_reads_each_slots_expert_fused_or_per_expert(experts, is_w13: boo
         assert torch.equal(dst, want)
 
 
+class _Moe:  # what write_expert_map reads of an MoE layer
+    def __init__(self) -> None:
+        from safeserve.moe.topk import Router, RouterConfig
+
+        self.gate = Router(8, 4, RouterConfig(2, True))
+        self.gate.reset_buffers("cpu")
+
+
 def test_router_rows_are_written_in_place() -> None:
     """A new map reaches the routers by `copy_` into the buffers they (and captured CUDA graphs)
     read: the same tensors, new values."""
     from safeserve.moe.layer import write_expert_map
-    from safeserve.moe.topk import Router, RouterConfig
-
-    class _Moe:  # what write_expert_map reads of an MoE layer
-        def __init__(self) -> None:
-            self.gate = Router(8, 4, RouterConfig(2, True))
-            self.gate.reset_buffers("cpu")
 
     layers = [_Moe(), _Moe()]
     buffers = [m.gate.logical_to_physical for m in layers]
-    m = ExpertMap.from_phy2log([[3, 1, 0, 2, 1, 3], [2, 0, 3, 1, 0, 0]], 4, 2)
+    m = ExpertMap.from_phy2log([[3, 1, 0, 2], [2, 0, 3, 1]], 4, 2)
     write_expert_map(layers, m, 1)  # type: ignore[arg-type]
-    assert [x.gate.logical_to_physical for x in layers] == buffers  # same objects
     assert all(x.gate.logical_to_physical is b for x, b in zip(layers, buffers, strict=True))
     assert torch.equal(torch.stack(buffers), m.send_table(1))
-    assert m.send_table(1)[0].tolist() == [2, 4, 3, 5]  # rank 1 holds slots 3 4 5 = 2 1 3
+    assert m.send_table(1)[0].tolist() == [2, 1, 3, 0]
+    assert all(x.gate.spread is None for x in layers)  # one replica each: no spreading
     with pytest.raises(ValueError, match="2 MoE layers for a model of 1"):
         write_expert_map(layers[:1], m, 1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="rows of shape"):
         layers[0].gate.set_expert_map(torch.zeros(5, dtype=torch.int64))
+    # with replicas: candidate buffers, allocated once and then copied into
+    r = ExpertMap.from_phy2log([[3, 1, 0, 2, 1, 3], [2, 0, 3, 1, 0, 0]], 4, 2)
+    write_expert_map(layers, r, 1)  # type: ignore[arg-type]
+    spread = [x.gate.spread for x in layers]
+    slots, counts = r.candidate_table(1)
+    assert torch.equal(torch.stack(spread)[:, 0], slots)
+    assert torch.equal(torch.stack([x.gate.spread_count for x in layers])[:, 0], counts)
+    r2 = ExpertMap.from_phy2log([[1, 3, 0, 2, 1, 3], [0, 2, 3, 1, 0, 0]], 4, 2)
+    write_expert_map(layers, r2, 1)  # type: ignore[arg-type]
+    assert all(x.gate.spread is b for x, b in zip(layers, spread, strict=True))
+    assert torch.equal(layers[0].gate.spread[0], r2.candidate_table(1)[0][0])
 
 
-def test_shared_routing_spreads_an_experts_tokens_over_its_replicas() -> None:
-    """Where every rank routes the same tokens (source None) and experts have replicas, a
-    token's choice goes to the replica its share of the tokens sends to (contiguous equal
-    shares, as the all-to-all splits replicated tokens; each share as its rank would send):
-    the replicas split the load. A new map is copied into the same buffers."""
+def test_candidates_own_replicas_first_else_every_replica() -> None:
+    # 4 experts in 6 slots on 2 ranks: rank 0 holds 0 1 2, rank 1 holds 3 0 3 (slots 3 4 5)
+    m = ExpertMap.from_phy2log([[0, 1, 2, 3, 0, 3]], 4, 2, seed=3)
+    assert m.candidates(0, 0, 0) == (0,) and m.candidates(0, 0, 1) == (4,)  # own, no transfer
+    assert m.candidates(0, 3, 1) == (3, 5)  # both its own, in turn
+    assert sorted(m.candidates(0, 3, 0)) == [3, 5]  # none on rank 0: every replica
+    assert sorted(m.candidates(0, 0, None)) == [0, 4]
+    assert all(m.send_to(0, e, r) == m.candidates(0, e, r)[0] for e in range(4) for r in (0, 1))
+    slots, counts = m.candidate_table(0)
+    assert slots.shape == (1, 4, 3) and counts[0].tolist() == [1, 1, 1, 2]
+    assert slots[0, 3].tolist() == [*m.candidates(0, 3, 0), m.candidates(0, 3, 0)[0]]
+
+
+@pytest.mark.parametrize("source", [None, 1])
+def test_routing_spreads_an_experts_tokens_over_its_candidates(source: int | None) -> None:
+    """With replicas, token t choosing e goes to candidate `t % count` of its source: this
+    rank's (attention data-parallel), or, where every rank routes the same tokens (None), the
+    rank whose contiguous share of the tokens t is in (as the all-to-all splits them)."""
     from safeserve.moe.layer import write_expert_map
-    from safeserve.moe.topk import Router, RouterConfig
-
-    class _Moe:
-        def __init__(self) -> None:
-            self.gate = Router(8, 4, RouterConfig(2, True))
-            self.gate.reset_buffers("cpu")
 
     layers = [_Moe()]
-    # expert 0 on both ranks (slots 0 and 4), expert 3 twice on rank 1 (slots 3 and 5)
-    m = ExpertMap.from_phy2log([[0, 1, 2, 3, 0, 3]], 4, 2)
-    write_expert_map(layers, m, None)  # type: ignore[arg-type]
+    m = ExpertMap.from_phy2log([[0, 1, 2, 3, 0, 3]], 4, 2, seed=3)
+    write_expert_map(layers, m, source)  # type: ignore[arg-type]
     gate = layers[0].gate
     assert gate.logical_to_physical.tolist() == [0, 1, 2, 3]  # the kernels map nothing
-    spread = gate.spread
-    assert torch.equal(spread, torch.stack([m.send_table(0)[0], m.send_table(1)[0]]))
-    # 5 tokens: shares of 3 and 2; every token picks experts 0 and 3
     gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
+    with torch.no_grad():  # every token picks experts 0 and 3
         gate.weight.copy_(torch.randn(4, 8, generator=gen))
         gate.weight[0] += 50.0
         gate.weight[3] += 49.0
     hidden = torch.ones(5, 8) + 0.01 * torch.randn(5, 8, generator=gen)
     ids = gate(hidden).topk_ids
-    want_first = [m.send_to(0, 0, 0)] * 3 + [m.send_to(0, 0, 1)] * 2
-    assert ids[:, 0].tolist() == want_first == [0, 0, 0, 4, 4]  # own rank's replica first
-    # expert 3's replicas (slots 3 and 5) are both on rank 1: rank 1's share takes its first,
-    # rank 0's share the one its seeded turn gives: both replicas work
-    want_second = [m.send_to(0, 3, 0)] * 3 + [m.send_to(0, 3, 1)] * 2
-    assert ids[:, 1].tolist() == want_second and set(want_second) == {3, 5}
-    # a rebalance writes the same buffers; one-row maps are refused for a spreading router
-    m2 = ExpertMap.from_phy2log([[1, 0, 2, 3, 1, 2]], 4, 2)
-    write_expert_map(layers, m2, None)  # type: ignore[arg-type]
-    assert gate.spread is spread and spread[0].tolist() == m2.send_table(0)[0].tolist()
-    with pytest.raises(ValueError, match="give \\[S, E\\] rows"):
+    shares = [0, 0, 0, 1, 1]  # 5 tokens over 2 ranks: 3 and 2
+    for t in range(5):
+        rank = source if source is not None else shares[t]
+        for j, e in enumerate((0, 3)):
+            cands = m.candidates(0, e, rank)
+            assert ids[t, j] == cands[t % len(cands)], (t, e)
+    assert set(ids[:, 1].tolist()) == {3, 5}  # expert 3's two replicas both work
+    with pytest.raises(ValueError, match="give \\[S, E, M\\] rows"):
         gate.set_expert_map(torch.arange(4))
-    # without replicas one shared row does it
-    plain = [_Moe()]
-    write_expert_map(plain, ExpertMap.from_phy2log([[2, 0, 1, 3]], 4, 2), None)  # type: ignore[arg-type]
-    assert plain[0].gate.spread is None and plain[0].gate.logical_to_physical.tolist() == [
-        1,
-        2,
-        0,
-        3,
-    ]
