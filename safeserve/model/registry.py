@@ -13,6 +13,7 @@ from types import ModuleType
 from typing import Any
 
 from safeserve.model.config import ModelConfig, ModelConfigError
+from safeserve.model.quant import StoredDtype, fp8_specs
 from safeserve.model.spec import KVSpec, WeightSpecs
 from safeserve.moe.expert_map import ExpertMap
 from safeserve.parallel.layout import Layout
@@ -59,11 +60,19 @@ def parse_config(d: dict[str, Any]) -> ModelConfig:
 
 
 def weight_specs(
-    cfg: ModelConfig, layout: Layout, expert_map: ExpertMap | None = None
+    cfg: ModelConfig,
+    layout: Layout,
+    expert_map: ExpertMap | None = None,
+    stored: StoredDtype | None = None,
 ) -> WeightSpecs:
     """Every parameter of the family's model on this rank, its routed experts placed by
-    `expert_map` (None: the trivial map); LayoutError where it cannot be laid out so."""
-    return spec_module(cfg.model_type).weight_specs(cfg, layout, expert_map)
+    `expert_map` (None: the trivial map); LayoutError where it cannot be laid out so. Under
+    FP8 (`cfg.quant`) the FP8 weights are marked, by the checkpoint's dtypes (`stored`) where
+    they are known (`model/quant.py`)."""
+    specs = spec_module(cfg.model_type).weight_specs(cfg, layout, expert_map)
+    if cfg.quant is not None:
+        specs = fp8_specs(specs, cfg.quant, stored)
+    return specs
 
 
 def kv_spec(cfg: ModelConfig, layout: Layout) -> KVSpec:
