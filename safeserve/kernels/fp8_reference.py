@@ -6,6 +6,13 @@ dimension partial where it is not a multiple of the block; the weight is `fp8 * 
 tile. Activations are quantized at run time ("dynamic"): per token and per group of `block[1]`
 input columns, `scale = max|x| / 448`. A product is then the float32 sum of dequantized
 activations times dequantized weights, what a block-FP8 GEMM computes up to float rounding.
+
+The model's CPU path keeps activations in high precision (W8A16: `QUANTIZE_ACTIVATIONS`): a
+rounding to 3 mantissa bits is a step function, so float noise of the order of 1e-7 (another
+chunking of a prefill, another summation order under tensor parallelism) flips roundings, and
+through top-k routing a tiny model's logits then move by up to 0.1 between two equally valid
+runs; the path that is the oracle must give one answer. With no FP8 GEMM on a CPU there is
+nothing to gain either. The W8A8 math stays here (`quantize_input=True`) for GPU kernels.
 """
 
 from __future__ import annotations
@@ -17,6 +24,8 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # An all-zero block or token group still gets a finite scale (its values quantize to 0).
 MIN_AMAX = 1e-10
+# Whether the model's FP8 linears and experts quantize their inputs (see above: not on CPU).
+QUANTIZE_ACTIVATIONS = False
 
 
 def _blocks(n: int, b: int) -> int:
@@ -78,11 +87,15 @@ def fp8_linear(
     scale_inv: torch.Tensor,
     bias: torch.Tensor | None = None,
     block: tuple[int, int] = (128, 128),
+    quantize_input: bool = QUANTIZE_ACTIVATIONS,
 ) -> torch.Tensor:
     """x [..., in] @ W.T (+ bias) in x's dtype, W the block-FP8 weight `w` [out, in] with its
-    `scale_inv`, x quantized per token and `block[1]` columns (W8A8, float32 accumulation)."""
-    xq, xs = token_group_quantize(x, block[1])
-    out = F.linear(token_group_dequantize(xq, xs, block[1]), block_dequantize(w, scale_inv, block))
+    `scale_inv`, in float32; `quantize_input`: x quantized per token and `block[1]` columns
+    first (W8A8)."""
+    xf = x.float()
+    if quantize_input:
+        xf = token_group_dequantize(*token_group_quantize(x, block[1]), block[1])
+    out = F.linear(xf, block_dequantize(w, scale_inv, block))
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype)
@@ -98,11 +111,13 @@ def grouped_experts_fp8(
     topk_weights: torch.Tensor,
     block: tuple[int, int] = (128, 128),
     out: torch.Tensor | None = None,
+    quantize_input: bool = QUANTIZE_ACTIVATIONS,
 ) -> torch.Tensor:
     """`moe_reference.grouped_experts_torch` of block-FP8 experts: w13 [E, 2I, H] (gate rows,
     then up rows), its scales [E, 2 * ceil(I / b), ceil(H / b)] (gate's tiles, then up's: each
     projection is tiled on its own, as the checkpoint stores it), w2 [E, H, I] and its scales
-    [E, ceil(H / b), ceil(I / b)]. `out` [N, H] (zeroed here): the result's buffer, if given."""
+    [E, ceil(H / b), ceil(I / b)]. `out` [N, H] (zeroed here): the result's buffer, if given;
+    `quantize_input`: as `fp8_linear`'s, for both GEMMs."""
     num_tokens, top_k = topk_ids.shape
     out = torch.zeros_like(hidden_states) if out is None else out.zero_()
     flat_ids = topk_ids.reshape(-1)
@@ -124,9 +139,10 @@ def grouped_experts_fp8(
         rows = token_idx[start : start + count]
         x = hidden_states[rows]
         s13 = w13_scale_inv[expert]
-        gate = fp8_linear(x, w13[expert, :width], s13[:half], None, block)
-        up = fp8_linear(x, w13[expert, width:], s13[half:], None, block)
-        y = fp8_linear(F.silu(gate) * up, w2[expert], w2_scale_inv[expert], None, block)
+        w8a8 = quantize_input
+        gate = fp8_linear(x, w13[expert, :width], s13[:half], None, block, w8a8)
+        up = fp8_linear(x, w13[expert, width:], s13[half:], None, block, w8a8)
+        y = fp8_linear(F.silu(gate) * up, w2[expert], w2_scale_inv[expert], None, block, w8a8)
         out.index_add_(0, rows, y * pair_w[start : start + count].to(y.dtype))
         start += count
     return out

@@ -13,7 +13,7 @@ from safeserve.kernels.linear import linear
 class BlockFp8Linear(nn.Module):
     """A linear whose weight `[out, in]` is float8_e4m3fn with a float32 scale per `block` tile
     (`weight_scale_inv` [ceil(out / b0), ceil(in / b1)]), computed W8A8 by the torch reference
-    (`safeserve.kernels.fp8_reference`)."""
+    (`safeserve.kernels.fp8_reference`, activations in high precision on CPU)."""
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool, block: tuple[int, int]

@@ -79,8 +79,9 @@ def _check_whole_tiles(spec: WeightSpec, block: tuple[int, int]) -> None:
     b = block[0] if rows else block[1]
     if start % b or (stop % b and stop != size):
         raise LayoutError(
-            f"{weight_name(spec.source)}: this layout gives a rank {'rows' if rows else 'columns'} "
-            f"[{start}, {stop}) of {size}, which cuts a {block[0]}x{block[1]} FP8 block; FP8 "
+            f"{weight_name(spec.source)}: a rank of this layout holds "
+            f"{'rows' if rows else 'columns'} [{start}, {stop}) of {size}, which cuts a "
+            f"{block[0]}x{block[1]} FP8 block; FP8 "
             f"weights need shard boundaries at multiples of {b} (choose another --tp-size or "
             "--ep-size)"
         )
