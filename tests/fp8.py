@@ -11,8 +11,12 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from safeserve.parallel.layout import Layout
 
 BLOCK = 128
 FP8_MAX = 448.0
@@ -50,7 +54,7 @@ def dequantize(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 
 def is_linear(name: str) -> bool:
     """A linear weight of a decoder layer (attention, dense MLP, experts; not the routers)."""
-    return name.startswith("model.layers.") and name.endswith("_proj.weight")
+    return name.startswith("model.layers.") and name.endswith(("_proj.weight", "_mqa.weight"))
 
 
 def _copy_other_files(src: Path, out: Path, config: dict) -> None:
@@ -145,3 +149,31 @@ def quantized_modules(fp8: Path) -> set[str]:
 
     with safe_open(str(fp8 / "model.safetensors"), "pt") as f:
         return {k.removesuffix(".weight_scale_inv") for k in f.keys() if k.endswith("_scale_inv")}
+
+
+def build_ours(model: Path | str, layout: Layout | None = None, **kw: Any) -> torch.nn.Module:
+    """Our model (`build_model`, float32 on CPU) on one rank of `layout` (a
+    None: the single rank); `kw`: build_model's options."""
+    from safeserve.model.checkpoint import load_model_config
+    from safeserve.model.loader import build_model
+    from safeserve.moe.dispatch import LocalDispatcher, make_dispatcher
+    from safeserve.moe.placement import ExpertPlacement
+    from safeserve.parallel.comm import Comm
+
+    experts = load_model_config(str(model)).num_experts
+    if layout is None:
+        d = LocalDispatcher(ExpertPlacement(experts))
+        return build_model(str(model), "auto", "float32", "cpu", d, **kw)
+    comm = Comm(layout, torch.device("cpu"))  # never initialized: loading runs no collective
+    placement = ExpertPlacement(experts, layout.ep_size, layout.ep_rank)
+    d = make_dispatcher("none", placement, comm)
+    return build_model(str(model), "auto", "float32", "cpu", d, layout, comm, **kw)
+
+
+def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    """The two models hold the same parameters: names, dtypes and bits."""
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for name, t in sa.items():
+        assert t.dtype == sb[name].dtype, name
+        assert torch.equal(t.view(torch.uint8), sb[name].view(torch.uint8)), name

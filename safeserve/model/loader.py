@@ -17,7 +17,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from safeserve.config import TINY_MODEL
-from safeserve.kernels.fp8_reference import FP8, block_quantize
+from safeserve.kernels.fp8_reference import FP8, block_dequantize, block_quantize
 from safeserve.layers.linear import BlockFp8Linear
 from safeserve.model import registry
 from safeserve.model.base import CausalLM
@@ -181,11 +181,15 @@ def init_random_weights(
 def _store(
     params: dict[str, torch.nn.Parameter], name: str, spec: WeightSpec, value: torch.Tensor
 ) -> None:
-    """This rank's slice `value` of a weight into its parameter, quantized where it is FP8."""
-    if spec.fp8 is None or spec.fp8.dequantize:
+    """This rank's slice `value` of a weight into its parameter, quantized where it is FP8
+    (held dequantized: rounded through FP8, as the checkpoint's FP8 would be)."""
+    if spec.fp8 is None:
         params[name].copy_(value)
         return
     block = spec.fp8.block
+    if spec.fp8.dequantize:
+        params[name].copy_(block_dequantize(*block_quantize(value, block), block))
+        return
     if isinstance(spec.piece, ExpertSlice) and spec.piece.is_w13:
         # gate and up are tiled each on its own, as a checkpoint stores them
         width = value.shape[1] // 2
@@ -222,6 +226,12 @@ def load_safetensors(
         elif fp8.scale is not None and not fp8.dequantize:
             _read(ckpt, dst, spec)
             _read(ckpt, params[name + SCALE_SUFFIX], fp8.scale)
+        elif fp8.scale is not None:  # stored FP8, held dequantized
+            assert isinstance(fp8.scale.source, str) and isinstance(fp8.scale.piece, Slice)
+            q = torch.empty(dst.shape, dtype=FP8, device=dst.device)
+            _read(ckpt, q, spec)
+            scale = ckpt.get_slice(fp8.scale.source, fp8.scale.piece).to(dst.device)
+            dst.copy_(block_dequantize(q, scale, fp8.block))
         else:  # quantized as read (online)
             value = torch.empty(dst.shape, dtype=torch.float32, device=dst.device)
             _read(ckpt, value, spec)

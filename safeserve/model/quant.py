@@ -46,7 +46,7 @@ def fp8_specs(specs: WeightSpecs, quant: Fp8Config, stored: StoredDtype | None) 
         if spec.linear and _is_fp8(spec, quant, stored):
             _check_whole_tiles(spec, quant.block)
             scale = None if quant.online else scale_spec(spec, quant.block)
-            spec = replace(spec, fp8=Fp8Spec(quant.block, scale))
+            spec = replace(spec, fp8=Fp8Spec(quant.block, scale, spec.dequantize_fp8))
         out[name] = spec
     return out
 

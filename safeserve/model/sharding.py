@@ -130,9 +130,12 @@ def whole(shape: tuple[int, ...], source: str, float32: bool = False) -> WeightS
     return WeightSpec(shape, Slice(), source, float32)
 
 
-def linear(shape: tuple[int, int], piece: Slice, source: str) -> WeightSpec:
-    """A linear layer's weight `[out, in]` (block FP8 under quantization, `model/quant.py`)."""
-    return WeightSpec(shape, piece, source, linear=True)
+def linear(
+    shape: tuple[int, int], piece: Slice, source: str, dequantize_fp8: bool = False
+) -> WeightSpec:
+    """A linear layer's weight `[out, in]` (block FP8 under quantization, `model/quant.py`;
+    `dequantize_fp8`: held in the model's dtype all the same, see `WeightSpec`)."""
+    return WeightSpec(shape, piece, source, linear=True, dequantize_fp8=dequantize_fp8)
 
 
 def embedding_specs(cfg: ModelConfig, hf: str = "model.") -> WeightSpecs:

@@ -103,6 +103,9 @@ class WeightSpec:
     float32: bool = False
     # A linear layer's weight (2-D `[out, in]`, or stacked experts): FP8 under quantization.
     linear: bool = False
+    # A linear weight used other than as a GEMM (MLA's absorbed `kv_b_proj`): held in the
+    # model's dtype all the same, its FP8 (stored, or quantized at load) dequantized as read.
+    dequantize_fp8: bool = False
     # Set where the weight is held as block FP8 (`model/quant.py` sets it; None: not FP8).
     fp8: Fp8Spec | None = None
 

@@ -23,9 +23,11 @@ import torch.nn.functional as F
 from checkpoints import greedy_continuations, write_qwen3_moe_checkpoint
 from fp8 import (
     QUANTIZATION_CONFIG,
+    build_ours,
     dequantize,
     fake_quant,
     quantize,
+    same_weights,
     write_dequantized_copy,
     write_fp8_checkpoint,
 )
@@ -66,22 +68,6 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     hp = write_qwen3_moe_checkpoint(base / "hp", seed=3, **SHAPES)
     fp8 = write_fp8_checkpoint(hp, base / "fp8")
     return {"hp": hp, "fp8": fp8, "deq": write_dequantized_copy(fp8, base / "deq")}
-
-
-def _ours(model: Path | str, layout: Layout | None = None, **kw: object) -> torch.nn.Module:
-    """Our model on one rank of `layout` (none: the single rank), float32 on CPU."""
-    from safeserve.moe.dispatch import make_dispatcher
-    from safeserve.parallel.comm import Comm
-
-    cfg = load_model_config(str(model))
-    if layout is None:
-        return build_model(
-            str(model), "auto", "float32", "cpu", LocalDispatcher(ExpertPlacement(8)), **kw
-        )
-    comm = Comm(layout, torch.device("cpu"))  # never initialized: loading runs no collective
-    placement = ExpertPlacement(cfg.num_experts, layout.ep_size, layout.ep_rank)
-    d = make_dispatcher("none", placement, comm)
-    return build_model(str(model), "auto", "float32", "cpu", d, layout, comm, **kw)
 
 
 # -- the format and the reference math -----------------------------------------------------------
@@ -191,14 +177,6 @@ def test_greedy_generation_equals_the_reference(ckpts: dict[str, Path]) -> None:
     )
 
 
-def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
-    sa, sb = a.state_dict(), b.state_dict()
-    assert sa.keys() == sb.keys()
-    for name, t in sa.items():
-        assert t.dtype == sb[name].dtype, name
-        assert torch.equal(t.view(torch.uint8), sb[name].view(torch.uint8)), name
-
-
 @pytest.mark.parametrize("rank", [None, 1])
 def test_online_quantization_equals_the_fp8_checkpoint(
     ckpts: dict[str, Path], rank: int | None
@@ -207,8 +185,8 @@ def test_online_quantization_equals_the_fp8_checkpoint(
     scales, bit for bit: on one rank, and on rank 1 of tp2-ep2 (each rank quantizes its own
     shard as it reads it)."""
     layout = None if rank is None else Layout(rank, 2, 2)
-    online = _ours(ckpts["hp"], layout, quantization="fp8")
-    _same_weights(online, _ours(ckpts["fp8"], layout))
+    online = build_ours(ckpts["hp"], layout, quantization="fp8")
+    same_weights(online, build_ours(ckpts["fp8"], layout))
     assert online.layers[0].mlp.experts.w13.shape[0] == (8 if rank is None else 4)
 
 
@@ -240,7 +218,7 @@ def test_layouts_give_the_logits_of_one_rank(ckpts: dict[str, Path]) -> None:
     gen = torch.Generator().manual_seed(5)
     seqs = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (14, 9, 20)]
     chunks = [5, 6, 1, 1, 3, 1, 1, 1, 1]
-    one = _ours(ckpts["fp8"])
+    one = build_ours(ckpts["fp8"])
     single = {i: paged_logits(one, s, [len(s)], 4, list(range(8))) for i, s in enumerate(seqs)}
     runs = {
         "tp2-ep2-alltoall": (ckpts["fp8"], None),
