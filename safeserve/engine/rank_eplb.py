@@ -115,14 +115,10 @@ class RankEplb:
 
 
 def expert_weights(layer: MoELayer) -> list[torch.Tensor]:
-    """The stacked per-slot tensors of a layer's routed experts (what a move carries), FP8
-    ones with their block scales; FP8 as bytes, which every backend's collectives carry."""
+    """The stacked per-slot tensors of a layer's routed experts (what a move carries): FP8
+    experts' block scales too."""
     slots = layer.experts.w13.shape[0]
-    return [
-        p.data.view(torch.uint8) if p.element_size() == 1 else p.data
-        for p in layer.experts.parameters()
-        if p.dim() > 0 and p.shape[0] == slots
-    ]
+    return [p.data for p in layer.experts.parameters() if p.dim() > 0 and p.shape[0] == slots]
 
 
 def set_expert_map(runner: ModelRunner, layers: list[MoELayer], expert_map: ExpertMap) -> None:
