@@ -53,8 +53,10 @@ def dequantize(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 
 
 def is_linear(name: str) -> bool:
-    """A linear weight of a decoder layer (attention, dense MLP, experts; not the routers)."""
-    return name.startswith("model.layers.") and name.endswith(("_proj.weight", "_mqa.weight"))
+    """A linear weight of a decoder layer (attention, dense MLP, experts, Mixtral's w1/w2/w3;
+    not the routers)."""
+    ends = ("_proj.weight", "_mqa.weight", ".w1.weight", ".w2.weight", ".w3.weight")
+    return name.startswith("model.layers.") and name.endswith(ends)
 
 
 def _copy_other_files(src: Path, out: Path, config: dict) -> None:

@@ -58,8 +58,9 @@ def _is_fp8(spec: WeightSpec, quant: Fp8Config, stored: StoredDtype | None) -> b
     dtype = stored(name) if stored is not None else None
     if dtype is not None:
         return dtype == FP8_DTYPE
+    # a module named, or one inside it ("model.layers.0.mlp.gate" is not "...mlp.gate_proj")
     module = name.rsplit(".", 1)[0]
-    return not any(ig and ig in module for ig in quant.ignored)
+    return not any(module == ig or module.startswith(ig + ".") for ig in quant.ignored if ig)
 
 
 def _blocks(n: int, b: int) -> int:

@@ -144,6 +144,23 @@ def test_fp8_checkpoint_logits_match_the_dequantized_model(ckpts: dict[str, Path
         assert unquantized.weight.dtype == torch.float32
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_other_families_fp8_checkpoints_match_the_dequantized_model(
+    family: str, tmp_path: Path
+) -> None:
+    """Mixtral (experts w1/w3/w2) and Qwen2-MoE (q/k/v biases, a gated shared expert) through
+    the same shared specs: logits within 1e-4 of transformers on the dequantized weights."""
+    from checkpoints_families import write_mixtral_checkpoint, write_qwen2_moe_checkpoint
+
+    write = {"mixtral": write_mixtral_checkpoint, "qwen2_moe": write_qwen2_moe_checkpoint}[family]
+    fp8 = write_fp8_checkpoint(write(tmp_path / "hp", seed=2), tmp_path / "fp8")
+    net = paged_logits_match_transformers(
+        fp8, reference=write_dequantized_copy(fp8, tmp_path / "deq")
+    )
+    assert isinstance(net.layers[0].self_attn.q_proj, BlockFp8Linear)
+    assert net.layers[0].mlp.experts.w13.dtype == FP8
+
+
 def test_modules_the_checkpoint_keeps_unquantized_stay_in_the_model_dtype(
     ckpts: dict[str, Path], tmp_path: Path
 ) -> None:
