@@ -58,8 +58,7 @@ def build_model(
     # The expert map (None: the trivial one) places the routed experts: the routers' rows of
     # this rank's send table, and the logical expert whose weights each local slot holds.
     expert_map = dispatcher.placement.expert_map if cfg.num_experts else None
-    random = model == TINY_MODEL or load_format == "dummy"
-    ckpt = None if random else _Checkpoint(Path(model))
+    ckpt = None if model == TINY_MODEL or load_format == "dummy" else _Checkpoint(Path(model))
     stored = ckpt.dtype if ckpt is not None and cfg.quant and not cfg.quant.online else None
     specs = registry.weight_specs(cfg, layout, expert_map, stored)
     with torch.device("meta"), _NoInitOnMeta():
@@ -206,13 +205,11 @@ def _store(
 
 @torch.no_grad()
 def load_safetensors(
-    params: dict[str, torch.nn.Parameter], specs: WeightSpecs, ckpt: _Checkpoint | Path
+    params: dict[str, torch.nn.Parameter], specs: WeightSpecs, ckpt: _Checkpoint
 ) -> None:
     """Each parameter's slice from the checkpoint: FP8 weights with their block scales as
     stored, or quantized as they are read (`--quantization fp8`: one tensor at a time in
     float32, never the whole model)."""
-    if isinstance(ckpt, Path):
-        ckpt = _Checkpoint(ckpt)
     for name in sorted(specs):
         spec, dst = specs[name], params[name]
         fp8 = spec.fp8
