@@ -1,4 +1,4 @@
-"""Block-FP8 (W8A8) in torch: the CPU path of FP8 weights and the oracle of future GPU kernels.
+"""Block FP8 in torch: the CPU path of FP8 weights and the oracle of future GPU kernels.
 
 The format is DeepSeek-V3's (and Qwen3-FP8's): a linear's weight `[out, in]` is stored as
 `float8_e4m3fn` with one float32 `scale_inv` per `block` (128 x 128) tile, the last tiles of a
@@ -10,8 +10,9 @@ activations times dequantized weights, what a block-FP8 GEMM computes up to floa
 The model's CPU path keeps activations in high precision (W8A16: `QUANTIZE_ACTIVATIONS`): a
 rounding to 3 mantissa bits is a step function, so float noise of the order of 1e-7 (another
 chunking of a prefill, another summation order under tensor parallelism) flips roundings, and
-through top-k routing a tiny model's logits then move by up to 0.1 between two equally valid
-runs; the path that is the oracle must give one answer. With no FP8 GEMM on a CPU there is
+through top-k routing the test model's logits then move by 0.1 and more between two equally
+valid runs (a prefill in chunks or in one step); the path that is the oracle must give one
+answer. With no FP8 GEMM on a CPU there is
 nothing to gain either. The W8A8 math stays here (`quantize_input=True`) for GPU kernels.
 """
 

@@ -63,8 +63,10 @@ class RopeConfig:
         )
 
 
+FP8_BLOCK = (128, 128)  # the one block size of block-FP8 weights served
 FP8_SUPPORTED = (
-    "quant_method 'fp8', fmt 'e4m3', activation_scheme 'dynamic', weight_block_size [128, 128]"
+    f"quant_method 'fp8', fmt 'e4m3', activation_scheme 'dynamic', weight_block_size "
+    f"{list(FP8_BLOCK)}"
 )
 
 
@@ -76,7 +78,7 @@ class Fp8Config:
     `weight_scale_inv`) are read as they are. `ignored`: the modules the checkpoint names as
     left unquantized (`modules_to_not_convert` / `ignored_layers`)."""
 
-    block: tuple[int, int] = (128, 128)
+    block: tuple[int, int] = FP8_BLOCK
     online: bool = False
     ignored: tuple[str, ...] = ()
 
@@ -92,14 +94,14 @@ class Fp8Config:
             q.get("activation_scheme", "dynamic"),
             list(q.get("weight_block_size") or []),
         )
-        if got != ("fp8", "e4m3", "dynamic", [128, 128]):
+        if got != ("fp8", "e4m3", "dynamic", list(FP8_BLOCK)):
             raise ModelConfigError(
                 f"quantization_config (quant_method {got[0]!r}, fmt {got[1]!r}, activation_scheme "
                 f"{got[2]!r}, weight_block_size {got[3]}) is not supported (supported: "
                 f"{FP8_SUPPORTED})"
             )
         ignored = list(q.get("modules_to_not_convert") or []) + list(q.get("ignored_layers") or [])
-        return cls(block=(128, 128), ignored=tuple(ignored))
+        return cls(ignored=tuple(ignored))
 
 
 @dataclass

@@ -82,9 +82,8 @@ def _check_whole_tiles(spec: WeightSpec, block: tuple[int, int]) -> None:
         raise LayoutError(
             f"{weight_name(spec.source)}: a rank of this layout holds "
             f"{'rows' if rows else 'columns'} [{start}, {stop}) of {size}, which cuts a "
-            f"{block[0]}x{block[1]} FP8 block; FP8 "
-            f"weights need shard boundaries at multiples of {b} (choose another --tp-size or "
-            "--ep-size)"
+            f"{block[0]}x{block[1]} FP8 block; FP8 weights need shard boundaries at multiples "
+            f"of {b} (choose another --tp-size or --ep-size)"
         )
 
 
