@@ -123,9 +123,18 @@ def test_reference_linear_and_experts_compute_the_definition() -> None:
     xs = torch.randn(6, hidden, generator=gen)
     ids = torch.tensor([[0, 2], [1, -1], [2, 1], [0, 1], [-1, -1], [2, 0]])
     weights = torch.rand(6, 2, generator=gen)
-    got = ref.grouped_experts_fp8(xs, q13, s13, torch.stack(q2), torch.stack(s2), ids, weights)
+    fp8_experts = (xs, q13, s13, torch.stack(q2), torch.stack(s2), ids, weights)
+    got = ref.grouped_experts_fp8(*fp8_experts)
     want = grouped_experts_torch(xs, d13, d2, ids, weights)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    # W8A8: both GEMMs' inputs quantized per token and 128 columns
+    w8a8 = torch.zeros_like(xs)
+    for t, slot in zip(*torch.where(ids >= 0), strict=True):
+        e = int(ids[t, slot])
+        gate, up = F.linear(fake_quant(xs[t]), d13[e]).chunk(2)
+        w8a8[t] += weights[t, slot] * F.linear(fake_quant(F.silu(gate) * up), d2[e])
+    got = ref.grouped_experts_fp8(*fp8_experts, quantize_input=True)
+    torch.testing.assert_close(got, w8a8, atol=1e-5, rtol=0)
 
 
 # -- loading and computing -----------------------------------------------------------------------
