@@ -16,7 +16,7 @@ from safetensors import safe_open
 from safeserve.config import TINY_MODEL
 from safeserve.model import registry
 from safeserve.model.config import Fp8Config, ModelConfig, ModelConfigError
-from safeserve.model.quant import FP8_DTYPE, weight_name
+from safeserve.model.quant import FP8_DTYPE, StoredDtype, weight_name
 from safeserve.model.spec import ExpertSource, Slice, WeightSpec
 from safeserve.parallel.layout import Layout
 
@@ -130,6 +130,19 @@ class _Checkpoint:
 # fp8 tensors included), through NumPy where it is installed: torch's would import torch into
 # the frontend, seconds of its start-up.
 _HEADER_FRAMEWORK = "numpy" if importlib.util.find_spec("numpy") is not None else "pt"
+
+
+def stored_dtypes(model: str, cfg: ModelConfig) -> StoredDtype | None:
+    """The stored dtypes of an FP8 checkpoint's tensors (headers only), which decide what is
+    FP8 (`model/quant.py`); None for other checkpoints."""
+    if cfg.quant is None or cfg.quant.online:
+        return None
+    try:
+        return _Checkpoint(Path(model), _HEADER_FRAMEWORK).dtype
+    except LoadError:
+        raise
+    except Exception as e:  # unreadable index or safetensors header
+        raise LoadError(f"cannot read the checkpoint in {model}: {e}") from e
 
 
 def check_checkpoint(model: str, cfg: ModelConfig) -> None:

@@ -39,7 +39,7 @@ def weight_name(source: str | ExpertSource, stored: StoredDtype | None = None) -
 
 def fp8_specs(specs: WeightSpecs, quant: Fp8Config, stored: StoredDtype | None) -> WeightSpecs:
     """`specs` with their FP8 weights marked (`WeightSpec.fp8`). `stored`: the checkpoint's
-    dtypes; None where they are not known (the layout check): every linear not in the
+    dtypes; None where they are not known (dummy weights, the planner): every linear not in the
     checkpoint's ignored modules counts as FP8 then."""
     out: WeightSpecs = {}
     for name, spec in specs.items():

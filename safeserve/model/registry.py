@@ -85,7 +85,8 @@ def model_class(cfg: ModelConfig) -> type:
     return getattr(importlib.import_module(module), name)
 
 
-def check_layout(cfg: ModelConfig, layout: Layout) -> None:
-    """Raises LayoutError (one line) when the model cannot be laid out so."""
-    weight_specs(cfg, layout)
+def check_layout(cfg: ModelConfig, layout: Layout, stored: StoredDtype | None = None) -> None:
+    """Raises LayoutError (one line) when the model cannot be laid out so (`stored`: the
+    checkpoint's dtypes, which decide what is FP8, as `weight_specs`')."""
+    weight_specs(cfg, layout, stored=stored)
     kv_spec(cfg, layout)

@@ -12,6 +12,8 @@ per rank under EP) are cut at tile boundaries in the layouts used here.
 
 from __future__ import annotations
 
+import json
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -39,7 +41,12 @@ from safeserve.config import ServerArgs
 from safeserve.kernels import fp8_reference as ref
 from safeserve.kernels.moe_reference import grouped_experts_torch
 from safeserve.layers.linear import BlockFp8Linear
-from safeserve.model.checkpoint import LoadError, check_checkpoint, load_model_config
+from safeserve.model.checkpoint import (
+    LoadError,
+    check_checkpoint,
+    load_model_config,
+    stored_dtypes,
+)
 from safeserve.model.config import ModelConfigError
 from safeserve.model.loader import build_model
 from safeserve.model.registry import check_layout, parse_config
@@ -344,6 +351,37 @@ def test_a_shard_boundary_inside_a_block_is_refused(ckpts: dict[str, Path]) -> N
     with pytest.raises(LayoutError, match="cuts a 128x128 FP8 block"):
         check_layout(online, Layout(1, 2, 1))
     check_layout(load_model_config(str(ckpts["hp"])), Layout(1, 2, 1))  # unquantized: fine
+
+
+def test_the_stored_dtypes_decide_which_weights_must_keep_whole_tiles(
+    ckpts: dict[str, Path], tmp_path: Path
+) -> None:
+    """A checkpoint that stores its experts unquantized without listing them: serve's start-up
+    check reads the dtypes, so tp2-ep1 (96 of 192 expert rows a rank) is no longer refused,
+    and the model it builds holds those experts in float32."""
+    experts = tuple(
+        f"model.layers.{i}.mlp.experts.{e}.{p}"
+        for i in (0, 2)
+        for e in range(8)
+        for p in ("gate_proj", "up_proj", "down_proj")
+    )
+    fp8 = write_fp8_checkpoint(ckpts["hp"], tmp_path / "fp8", keep=experts)
+    config = json.loads((fp8 / "config.json").read_text())
+    config["quantization_config"].pop("modules_to_not_convert")
+    (fp8 / "config.json").write_text(json.dumps(config))
+    cfg = load_model_config(str(fp8))
+    with pytest.raises(LayoutError, match="experts.0.gate_proj"):
+        check_layout(cfg, Layout(1, 2, 1))  # from config.json alone, every linear is FP8
+    check_layout(cfg, Layout(1, 2, 1), stored_dtypes(str(fp8), cfg))
+    with socket.socket() as taken:  # serve's checks pass up to the port, which is taken
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        r = _serve("--model", str(fp8), "--tp-size", "2", "--port", port)
+    assert r.returncode == 2 and f"127.0.0.1:{port} (--port)" in r.stderr, r.stderr
+    net = build_ours(fp8)
+    assert net.layers[0].mlp.experts.w13.dtype == torch.float32
+    assert isinstance(net.layers[0].self_attn.o_proj, BlockFp8Linear)
 
 
 def _serve(*args: str) -> subprocess.CompletedProcess:
