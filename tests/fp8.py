@@ -67,9 +67,10 @@ def _copy_other_files(src: Path, out: Path, config: dict) -> None:
     (out / "config.json").write_text(json.dumps(config, indent=1))
 
 
-def write_fp8_checkpoint(src: Path, out: Path, keep: tuple[str, ...] = ()) -> Path:
+def write_fp8_checkpoint(src: Path, out: Path, keep: tuple[str, ...] = (), shards: int = 1) -> Path:
     """The block-FP8 copy of the (single-file) checkpoint `src` at `out`; the modules named in
-    `keep` stay in float32 and are listed in `modules_to_not_convert`."""
+    `keep` stay in float32 and are listed in `modules_to_not_convert`. `shards` > 1: that many
+    files, tensors dealt round-robin (a weight and its scale apart), with an index."""
     from safetensors.torch import load_file, save_file
 
     config = json.loads((src / "config.json").read_text())
@@ -81,7 +82,16 @@ def write_fp8_checkpoint(src: Path, out: Path, keep: tuple[str, ...] = ()) -> Pa
             tensors[name], tensors[name + "_scale_inv"] = quantize(t)
         else:
             tensors[name] = t
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    if shards == 1:
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        return out
+    files = [f"model-{k + 1:05d}-of-{shards:05d}.safetensors" for k in range(shards)]
+    weight_map = {name: files[k % shards] for k, name in enumerate(sorted(tensors))}
+    for f in files:
+        part = {n: t for n, t in tensors.items() if weight_map[n] == f}
+        save_file(part, str(out / f), metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
     return out
 
 

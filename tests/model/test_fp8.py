@@ -1,4 +1,5 @@
-"""Block-FP8 checkpoints (DeepSeek-V3 / Qwen3-FP8 format) and `--quantization fp8` on Qwen3-MoE.
+"""Block-FP8 checkpoints (DeepSeek-V3 / Qwen3-FP8 format) and `--quantization fp8`: Qwen3-MoE,
+and Mixtral and Qwen2-MoE once (DeepSeek-V3: `test_fp8_deepseek_v3.py`).
 
 The checkpoints are written by transformers, then quantized by the tests' own quantizer
 (`tests/fp8.py`, checked here against the format's definition). The reference is transformers'
@@ -190,6 +191,14 @@ def test_modules_the_checkpoint_keeps_unquantized_stay_in_the_model_dtype(
     assert net.layers[0].self_attn.o_proj.weight.dtype == torch.float32
     assert isinstance(net.layers[1].mlp.gate_proj, BlockFp8Linear)
     assert type(net.layers[1].mlp.down_proj) is torch.nn.Linear
+
+
+def test_a_sharded_fp8_checkpoint_loads_the_same_weights(
+    ckpts: dict[str, Path], tmp_path: Path
+) -> None:
+    sharded = write_fp8_checkpoint(ckpts["hp"], tmp_path / "sharded", shards=3)
+    check_checkpoint(str(sharded), load_model_config(str(sharded)))
+    same_weights(build_ours(sharded), build_ours(ckpts["fp8"]))
 
 
 def test_greedy_generation_equals_the_reference(ckpts: dict[str, Path]) -> None:
