@@ -17,17 +17,22 @@ TABLE = [9, 2, 14, 5, 11, 0, 7, 3]
 
 
 def paged_logits(
-    net: Any, ids: list[int], chunks: list[int], block_size: int, table: list[int]
+    net: Any,
+    ids: list[int],
+    chunks: list[int],
+    block_size: int,
+    table: list[int],
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Logits of every token of `ids`, computed in `chunks` through the cache blocks `table`
-    (the family's KV specification, single rank, float32)."""
+    (the family's KV specification, single rank, a cache of the model's `dtype`)."""
     from safeserve.engine.kv_cache import KVCache
     from safeserve.layers.paged_attention import AttentionMetadata
     from safeserve.model.registry import kv_spec
     from safeserve.parallel.layout import Layout
 
     spec = kv_spec(net.config, Layout())
-    kv = KVCache.from_spec(spec, max(table) + 1, block_size, torch.float32, "cpu")
+    kv = KVCache.from_spec(spec, max(table) + 1, block_size, dtype, "cpu")
     logits, start = [], 0
     for n in chunks:
         end = start + n

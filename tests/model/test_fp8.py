@@ -193,6 +193,23 @@ def test_modules_the_checkpoint_keeps_unquantized_stay_in_the_model_dtype(
     assert type(net.layers[1].mlp.down_proj) is torch.nn.Linear
 
 
+def test_a_bfloat16_model_keeps_fp8_weights_and_float32_scales(ckpts: dict[str, Path]) -> None:
+    """--dtype bfloat16: the FP8 weights and their float32 scales as stored, the rest in bf16;
+    logits within bf16's rounding of the float32 model's (measured 0.05 on logits up to 4)."""
+    d = LocalDispatcher(ExpertPlacement(8))
+    net = build_model(str(ckpts["fp8"]), "auto", "bfloat16", "cpu", d)
+    q = net.layers[0].self_attn.q_proj
+    assert (q.weight.dtype, q.weight_scale_inv.dtype) == (FP8, torch.float32)
+    assert net.layers[0].mlp.experts.w2_scale_inv.dtype == torch.float32
+    assert net.embed_tokens.weight.dtype == net.layers[0].input_layernorm.weight.dtype
+    assert net.embed_tokens.weight.dtype == torch.bfloat16
+    ids = list(range(5, 17))
+    table = list(range(8))
+    ours = paged_logits(net, ids, [len(ids)], 4, table, torch.bfloat16)
+    full = paged_logits(build_ours(ckpts["fp8"]), ids, [len(ids)], 4, table)
+    torch.testing.assert_close(ours, full, atol=0.15, rtol=0)
+
+
 def test_a_sharded_fp8_checkpoint_loads_the_same_weights(
     ckpts: dict[str, Path], tmp_path: Path
 ) -> None:
