@@ -26,8 +26,14 @@ def _serve(ns: argparse.Namespace) -> int:
         return 2
     import uvicorn
 
-    from safeserve.model.checkpoint import LoadError, check_checkpoint, load_model_config
+    from safeserve.model.checkpoint import (
+        LoadError,
+        check_checkpoint,
+        load_model_config,
+        stored_dtypes,
+    )
     from safeserve.model.config import ModelConfigError
+    from safeserve.model.quant import check_device
     from safeserve.model.registry import check_layout
     from safeserve.model.sharding import LayoutError
     from safeserve.model.tokenizer import TokenizerError
@@ -40,10 +46,14 @@ def _serve(ns: argparse.Namespace) -> int:
 
     # Everything that can be known wrong is refused here, before any process is spawned.
     try:
-        cfg = load_model_config(args.model)
+        cfg = load_model_config(args.model, args.quantization)
+        check_device(cfg.quant, args.device)
+        from_checkpoint = args.model != TINY_MODEL and args.load_format != "dummy"
+        stored = stored_dtypes(args.model, cfg) if from_checkpoint else None
         for rank in range(args.tp_size):
-            check_layout(cfg, Layout(rank, args.tp_size, args.ep_size, args.enable_dp_attention))
-        if args.model != TINY_MODEL and args.load_format != "dummy":
+            layout = Layout(rank, args.tp_size, args.ep_size, args.enable_dp_attention)
+            check_layout(cfg, layout, stored)
+        if from_checkpoint:
             check_checkpoint(args.model, cfg)
         if cfg.num_experts:
             from safeserve.model.sharding import starting_expert_map

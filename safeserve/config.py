@@ -17,6 +17,7 @@ logger = logging.getLogger(__name__)
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda")
 LOAD_FORMATS = ("auto", "dummy")
+QUANTIZATIONS = ("fp8",)
 A2A_BACKENDS = ("none", "alltoall", "deepep")
 TINY_MODEL = "tiny"
 PREFILL_SIZINGS = ("worst", "observed")
@@ -56,6 +57,13 @@ class ServerArgs:
         choices=LOAD_FORMATS,
     )
     dtype: str = _flag("float32", "Weight and activation dtype.", "model", choices=DTYPES)
+    quantization: str | None = _flag(
+        None,
+        "'fp8': quantize a high-precision checkpoint (or dummy weights) at load to block FP8, "
+        "128x128 tiles with a float32 scale each; a checkpoint already in FP8 needs no flag.",
+        "model",
+        choices=QUANTIZATIONS,
+    )
     device: str = _flag("cpu", "Device the ranks run on.", "model", choices=DEVICES)
     max_model_len: int | None = _flag(
         None,
@@ -311,6 +319,8 @@ class ServerArgs:
             raise ConfigError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ConfigError(f"--load-format must be one of {', '.join(LOAD_FORMATS)}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}")
         if self.moe_a2a_backend not in A2A_BACKENDS:
             raise ConfigError(f"--moe-a2a-backend must be one of {', '.join(A2A_BACKENDS)}")
         for name in (

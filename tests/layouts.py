@@ -52,8 +52,10 @@ def _rank_main(
     chunks: list[int],
     phy2log: list[list[int]] | None,
     queue: mp.Queue,
+    server_kw: dict | None = None,
 ) -> None:
-    """One rank of `run_layout` (spawned by safeserve.spawn, which reports it if it raises)."""
+    """One rank of `run_layout` (spawned by safeserve.spawn, which reports it if it raises);
+    `server_kw`: more ServerArgs fields."""
     from safeserve.engine.model_runner import ModelRunner
     from safeserve.engine.plan import SeqPlan, StepPlan
     from safeserve.messages import SamplingParams
@@ -61,7 +63,9 @@ def _rank_main(
     from safeserve.moe.expert_map import ExpertMap
 
     tp, ep, _, dp = layout
-    args = layout_server_args(model, layout, num_kv_blocks=64, block_size=4, device=device)
+    args = layout_server_args(
+        model, layout, num_kv_blocks=64, block_size=4, device=device, **(server_kw or {})
+    )
     m = None
     if phy2log is not None:
         m = ExpertMap.from_phy2log(phy2log, load_model_config(model).num_experts, ep, seed=7)
@@ -107,17 +111,29 @@ def run_layout(
     device: str = "cpu",
     replays: dict | None = None,
     phy2log: list[list[int]] | None = None,
+    server_kw: dict | None = None,
 ) -> dict:
     """{(seq, position): logits row} from a real group of processes; `replays` (if given) gets
     each rank's (decode, piecewise) CUDA graph replays (None where the rank captured none);
     `phy2log` (if given) the experts' placement (`ExpertMap.from_phy2log`), else the trivial
-    one."""
+    one; `server_kw`: more ServerArgs fields of every rank."""
     layout = LAYOUTS[name]
     out, done = {}, 0
     with spawn_ranks(
         layout[0],
         _rank_main,
-        lambda r, init, q: (device, str(model), layout, r, init, seqs, chunks, phy2log, q),
+        lambda r, init, q: (
+            device,
+            str(model),
+            layout,
+            r,
+            init,
+            seqs,
+            chunks,
+            phy2log,
+            q,
+            server_kw,
+        ),
         port=port,
     ) as ranks:
         while done < layout[0]:

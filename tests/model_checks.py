@@ -17,17 +17,22 @@ TABLE = [9, 2, 14, 5, 11, 0, 7, 3]
 
 
 def paged_logits(
-    net: Any, ids: list[int], chunks: list[int], block_size: int, table: list[int]
+    net: Any,
+    ids: list[int],
+    chunks: list[int],
+    block_size: int,
+    table: list[int],
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Logits of every token of `ids`, computed in `chunks` through the cache blocks `table`
-    (the family's KV specification, single rank, float32)."""
+    (the family's KV specification, single rank, a cache of the model's `dtype`)."""
     from safeserve.engine.kv_cache import KVCache
     from safeserve.layers.paged_attention import AttentionMetadata
     from safeserve.model.registry import kv_spec
     from safeserve.parallel.layout import Layout
 
     spec = kv_spec(net.config, Layout())
-    kv = KVCache.from_spec(spec, max(table) + 1, block_size, torch.float32, "cpu")
+    kv = KVCache.from_spec(spec, max(table) + 1, block_size, dtype, "cpu")
     logits, start = [], 0
     for n in chunks:
         end = start + n
@@ -48,17 +53,18 @@ def load_ours(ckpt: Path) -> Any:
     return build_model(str(ckpt), "auto", "float32", "cpu", LocalDispatcher(placement))
 
 
-def paged_logits_match_transformers(ckpt: Path, n: int = 29) -> None:
-    """Our model (in-process, float32) against `AutoModelForCausalLM.from_pretrained(ckpt)`:
-    `n` tokens as a prefill in uneven chunks, then single-token decode steps, through scattered
-    KV blocks; every position's logits within 1e-4."""
+def paged_logits_match_transformers(ckpt: Path, n: int = 29, reference: Path | None = None) -> Any:
+    """Our model (in-process, float32) against `AutoModelForCausalLM.from_pretrained(ckpt)`
+    (or of `reference`, a checkpoint of the same weights transformers reads): `n` tokens as a
+    prefill in uneven chunks, then single-token decode steps, through scattered KV blocks;
+    every position's logits within 1e-4. Returns our model."""
     from transformers import AutoModelForCausalLM
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny GEMMs: OpenMP barriers cost more than they split
     try:
         net = load_ours(ckpt)
-        hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+        hf = AutoModelForCausalLM.from_pretrained(reference or ckpt, dtype=torch.float32).eval()
         gen = torch.Generator().manual_seed(1)
         ids = torch.randint(0, net.config.vocab_size, (n,), generator=gen).tolist()
         with torch.no_grad():
@@ -68,6 +74,7 @@ def paged_logits_match_transformers(ckpt: Path, n: int = 29) -> None:
         torch.set_num_threads(threads)
     assert ours.shape == ref.shape
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
+    return net
 
 
 def variant_checkpoint(

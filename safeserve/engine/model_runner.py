@@ -73,7 +73,7 @@ class ModelRunner:
             assert init_method is not None
             self.comm.init(init_method)
         self.on_phase = on_phase or (lambda step, phase: None)
-        cfg = load_model_config(args.model)
+        cfg = load_model_config(args.model, args.quantization)
         self.config = cfg
         if expert_map is None and cfg.num_experts:
             expert_map = starting_expert_map(args, cfg, self.layout)
@@ -94,6 +94,7 @@ class ModelRunner:
             self.layout,
             self.comm,
             args.seed,
+            args.quantization,
         )
         for layer in self.model.layers:
             if layer.is_moe:

@@ -115,7 +115,8 @@ class RankEplb:
 
 
 def expert_weights(layer: MoELayer) -> list[torch.Tensor]:
-    """The stacked per-slot tensors of a layer's routed experts (what a move carries)."""
+    """The stacked per-slot tensors of a layer's routed experts (what a move carries): FP8
+    experts' block scales too."""
     slots = layer.experts.w13.shape[0]
     return [p.data for p in layer.experts.parameters() if p.dim() > 0 and p.shape[0] == slots]
 

@@ -14,9 +14,8 @@ from torch import nn
 
 from safeserve.kernels import norm_rope as nr
 from safeserve.kernels import paged_attention as pa
-from safeserve.kernels.linear import linear
 from safeserve.kernels.qkv_rope import qkv_norm_rope_store
-from safeserve.layers.linear import fuse_linears
+from safeserve.layers.linear import fuse_linears, project
 from safeserve.layers.norm import RMSNorm
 from safeserve.layers.paged_attention import AttentionMetadata, attend
 from safeserve.parallel.comm import Comm
@@ -90,7 +89,7 @@ class GQAttention(nn.Module):
             k = nr.apply_rope(k.reshape(t, self.num_kv_heads, d), cos, sin)
             pa.store_kv(k, v.reshape(t, self.num_kv_heads, d), k_cache, v_cache, meta.slot_mapping)
         out = attend(q, kv_cache, meta, self.scale)
-        out = linear(out.reshape(t, self.num_heads * d), self.o_proj.weight)
+        out = project(self.o_proj, out.reshape(t, self.num_heads * d))
         if self.reduce:
             out = self.comm.all_reduce(out)
         if self.o_bias is not None:

@@ -1,17 +1,61 @@
-"""Several linears of one input fused into one weight, so they run as one GEMM."""
+"""Linear layers: several of one input fused into one weight, so they run as one GEMM; block-FP8
+linears (`BlockFp8Linear`); `project`, a linear's product on the path its weight takes."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from safeserve.kernels.fp8_reference import FP8, fp8_linear
+from safeserve.kernels.linear import linear
 
-def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One weight (and bias) for several linears of the same input.
+
+class BlockFp8Linear(nn.Module):
+    """A linear whose weight `[out, in]` is float8_e4m3fn with a float32 scale per `block` tile
+    (`weight_scale_inv` [ceil(out / b0), ceil(in / b1)]), computed W8A8 by the torch reference
+    (`safeserve.kernels.fp8_reference`, activations in high precision on CPU)."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, block: tuple[int, int]
+    ) -> None:
+        super().__init__()
+        self.block = block
+        tiles = (-(-out_features // block[0]), -(-in_features // block[1]))
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=FP8), requires_grad=False
+        )
+        self.weight_scale_inv = nn.Parameter(
+            torch.empty(tiles, dtype=torch.float32), requires_grad=False
+        )
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    @classmethod
+    def like(cls, m: nn.Linear, block: tuple[int, int]) -> BlockFp8Linear:
+        """The FP8 counterpart of `m` (on `m`'s device, typically meta, before allocation)."""
+        with m.weight.device:
+            return cls(m.in_features, m.out_features, m.bias is not None, block)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.weight, self.weight_scale_inv, self.bias, self.block)
+
+
+def project(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`m(x)` of an `nn.Linear` (through `kernels.linear`: the skinny GEMM for decode-sized
+    batches on CUDA) or a `BlockFp8Linear`."""
+    if isinstance(m, BlockFp8Linear):
+        return m(x)
+    return linear(x, m.weight, m.bias)
+
+
+def fuse_linears(linears: list[nn.Module]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """One weight (and bias) for several linears of the same input; (None, None) where one is
+    block FP8 (each projection has its own tiles, so they stay apart).
 
     The linears' parameters become views of the fused tensors: loaders and `load_state_dict`
     keep filling them by name (and each rank's shard slices stay per projection).
     """
+    if any(isinstance(m, BlockFp8Linear) for m in linears):
+        return None, None
     weight = torch.cat([m.weight.detach() for m in linears])
     has_bias = linears[0].bias is not None
     bias = torch.cat([m.bias.detach() for m in linears]) if has_bias else None  # type: ignore[misc]

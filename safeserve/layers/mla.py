@@ -25,7 +25,7 @@ from torch import nn
 
 from safeserve.kernels.linear import linear
 from safeserve.kernels.mla_prepare import latent_query, store_latent_entry
-from safeserve.layers.linear import fuse_linears
+from safeserve.layers.linear import fuse_linears, project
 from safeserve.layers.norm import RMSNorm
 from safeserve.layers.paged_attention import AttentionMetadata, attend
 from safeserve.parallel.comm import Comm
@@ -113,7 +113,7 @@ class MLAttention(nn.Module):
         else:
             q_a, kv = self.q_a_proj(x), self.kv_a_proj_with_mqa(x)
         q_b = self.q_b_proj
-        return linear(self.q_a_layernorm(q_a), q_b.weight, q_b.bias), kv
+        return project(q_b, self.q_a_layernorm(q_a)), kv
 
     def forward(
         self,
@@ -138,7 +138,7 @@ class MLAttention(nn.Module):
         query = latent_query(q_latent, q_pe, cos, sin, self.rope_interleave)
         out = attend(query, kv_cache, meta, self.scale)  # [T, heads, lat]
         out = torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2))  # [heads, T, v]
-        out = linear(out.transpose(0, 1).reshape(t, heads * self.v_dim), self.o_proj.weight)
+        out = project(self.o_proj, out.transpose(0, 1).reshape(t, heads * self.v_dim))
         if self.reduce:
             out = self.comm.all_reduce(out)
         if self.o_bias is not None:

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from safeserve.kernels.linear import linear
-from safeserve.layers.linear import fuse_linears
+from safeserve.layers.linear import fuse_linears, project
 from safeserve.parallel.comm import Comm
 
 
@@ -34,5 +34,5 @@ class DenseMLP(nn.Module):
             gate, up = linear(x, self.gate_up_weight).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        out = linear(F.silu(gate) * up, self.down_proj.weight)
+        out = project(self.down_proj, F.silu(gate) * up)
         return self.comm.all_reduce(out) if self.reduce else out

@@ -15,8 +15,9 @@ from safetensors import safe_open
 
 from safeserve.config import TINY_MODEL
 from safeserve.model import registry
-from safeserve.model.config import ModelConfig, ModelConfigError
-from safeserve.model.spec import ExpertSource, Slice
+from safeserve.model.config import Fp8Config, ModelConfig, ModelConfigError
+from safeserve.model.quant import FP8_DTYPE, StoredDtype, weight_name
+from safeserve.model.spec import ExpertSource, Slice, WeightSpec
 from safeserve.parallel.layout import Layout
 
 if TYPE_CHECKING:
@@ -50,8 +51,17 @@ class LoadError(ValueError):
     pass
 
 
-def load_model_config(model: str) -> ModelConfig:
-    """The family's config of `--model` (ModelConfigError, one line, where it is unservable)."""
+def load_model_config(model: str, quantization: str | None = None) -> ModelConfig:
+    """The family's config of `--model` (ModelConfigError, one line, where it is unservable);
+    `quantization` (`--quantization`): "fp8" quantizes a high-precision checkpoint at load (a
+    checkpoint already in FP8 is read as it is)."""
+    cfg = _model_config(model)
+    if quantization == "fp8" and cfg.quant is None:
+        cfg.quant = Fp8Config(online=True)
+    return cfg
+
+
+def _model_config(model: str) -> ModelConfig:
     if model == TINY_MODEL:
         return registry.parse_config(TINY_CONFIG)
     path = Path(model)
@@ -72,6 +82,7 @@ class _Checkpoint:
     `framework` (safetensors' name: "pt" for torch)."""
 
     def __init__(self, model_dir: Path, framework: str = "pt") -> None:
+        self.model_dir = model_dir
         index = model_dir / "model.safetensors.index.json"
         if index.exists():
             weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
@@ -101,6 +112,12 @@ class _Checkpoint:
             raise LoadError(f"checkpoint has no tensor {name!r}")
         return tuple(self.handles[self.weight_map[name]].get_slice(name).get_shape())
 
+    def dtype(self, name: str) -> str | None:
+        """The stored dtype (safetensors' name, e.g. "BF16", "F8_E4M3"), None if absent."""
+        if name not in self.weight_map:
+            return None
+        return str(self.handles[self.weight_map[name]].get_slice(name).get_dtype())
+
     def get_slice(self, name: str, piece: Slice) -> torch.Tensor:
         """Reads only the rows (or columns) this rank holds."""
         if piece.dim is None:
@@ -115,10 +132,24 @@ class _Checkpoint:
 _HEADER_FRAMEWORK = "numpy" if importlib.util.find_spec("numpy") is not None else "pt"
 
 
+def stored_dtypes(model: str, cfg: ModelConfig) -> StoredDtype | None:
+    """The stored dtypes of an FP8 checkpoint's tensors (headers only), which decide what is
+    FP8 (`model/quant.py`); None for other checkpoints."""
+    if cfg.quant is None or cfg.quant.online:
+        return None
+    try:
+        return _Checkpoint(Path(model), _HEADER_FRAMEWORK).dtype
+    except LoadError:
+        raise
+    except Exception as e:  # unreadable index or safetensors header
+        raise LoadError(f"cannot read the checkpoint in {model}: {e}") from e
+
+
 def check_checkpoint(model: str, cfg: ModelConfig) -> None:
     """Header-only check, before any rank starts, that the checkpoint holds every tensor the
-    model needs with its full shape (no tensor data is read). A broken checkpoint then fails in
-    a second with the tensor named, instead of after every group's start-up and restarts."""
+    model needs with its full shape (no tensor data is read), FP8 weights with their block
+    scales. A broken checkpoint then fails in a second with the tensor named, instead of after
+    every group's start-up and restarts."""
     try:
         ckpt = _Checkpoint(Path(model), _HEADER_FRAMEWORK)
     except LoadError:
@@ -132,18 +163,38 @@ def check_checkpoint(model: str, cfg: ModelConfig) -> None:
         if ckpt.shape(name) != shape:
             raise LoadError(f"{name}: checkpoint shape {ckpt.shape(name)} != expected {shape}")
 
-    for _, spec in sorted(registry.weight_specs(cfg, Layout()).items()):
+    def expect_spec(spec: WeightSpec) -> None:
         if isinstance(spec.source, str):
             expect(spec.source, spec.shape)
-            continue
+            return
         if spec.source.fused is not None and spec.source.fused in ckpt:
             expect(spec.source.fused, spec.shape)
-            continue
+            return
         for e in range(spec.shape[0]):
             for name, shape in zip(
                 spec.source.expert_names(e), expert_shapes(spec.source, spec.shape), strict=True
             ):
                 expect(name, shape)
+
+    stored = ckpt.dtype if cfg.quant is not None and not cfg.quant.online else None
+    for _, spec in sorted(registry.weight_specs(cfg, Layout(), stored=stored).items()):
+        expect_spec(spec)
+        name = weight_name(spec.source, ckpt.dtype)
+        scale = spec.fp8.scale if spec.fp8 is not None else None
+        if scale is None:
+            # An FP8 tensor read as a high-precision one would lose its scales unnoticed.
+            if ckpt.dtype(name) == FP8_DTYPE:
+                raise LoadError(
+                    f"{name} is stored as FP8, which is read only for linear weights of a "
+                    "checkpoint whose config.json has an fp8 quantization_config"
+                )
+            continue
+        if isinstance(spec.source, ExpertSource) and name == spec.source.fused:
+            raise LoadError(
+                f"{name}: FP8 experts are read from per-expert tensors (with per-expert "
+                "weight_scale_inv), not from a fused 3-D tensor"
+            )
+        expect_spec(scale)
 
 
 def expert_shapes(source: ExpertSource, full: tuple[int, ...]) -> list[tuple[int, ...]]:

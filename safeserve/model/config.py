@@ -63,6 +63,47 @@ class RopeConfig:
         )
 
 
+FP8_BLOCK = (128, 128)  # the one block size of block-FP8 weights served
+FP8_SUPPORTED = (
+    f"quant_method 'fp8', fmt 'e4m3', activation_scheme 'dynamic', weight_block_size "
+    f"{list(FP8_BLOCK)}"
+)
+
+
+@dataclass(frozen=True)
+class Fp8Config:
+    """Block-FP8 weights (`safeserve.kernels.fp8_reference` has the format): `block` tiles of
+    one float32 scale each. `online`: the checkpoint holds high-precision weights, quantized at
+    load; else the checkpoint's FP8 linears (those stored as float8_e4m3fn with a
+    `weight_scale_inv`) are read as they are. `ignored`: the modules the checkpoint names as
+    left unquantized (`modules_to_not_convert` / `ignored_layers`)."""
+
+    block: tuple[int, int] = FP8_BLOCK
+    online: bool = False
+    ignored: tuple[str, ...] = ()
+
+    @classmethod
+    def of_checkpoint(cls, q: dict[str, Any] | None) -> Fp8Config | None:
+        """The checkpoint's `quantization_config` (None: none); ModelConfigError naming what is
+        supported where it is another scheme."""
+        if not q:
+            return None
+        got = (
+            q.get("quant_method"),
+            q.get("fmt", "e4m3"),
+            q.get("activation_scheme", "dynamic"),
+            list(q.get("weight_block_size") or []),
+        )
+        if got != ("fp8", "e4m3", "dynamic", list(FP8_BLOCK)):
+            raise ModelConfigError(
+                f"quantization_config (quant_method {got[0]!r}, fmt {got[1]!r}, activation_scheme "
+                f"{got[2]!r}, weight_block_size {got[3]}) is not supported (supported: "
+                f"{FP8_SUPPORTED})"
+            )
+        ignored = list(q.get("modules_to_not_convert") or []) + list(q.get("ignored_layers") or [])
+        return cls(ignored=tuple(ignored))
+
+
 @dataclass
 class ModelConfig:
     model_type: str
@@ -85,6 +126,8 @@ class ModelConfig:
     hidden_act: str = "silu"
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
+    # Block-FP8 weights: the checkpoint's `quantization_config`, or `--quantization fp8`.
+    quant: Fp8Config | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -101,11 +144,6 @@ class ModelConfig:
         hidden_act = d.get("hidden_act", "silu")
         if hidden_act != "silu":
             raise ModelConfigError(f"hidden_act {hidden_act!r} is not supported (only silu)")
-        if d.get("quantization_config"):
-            method = (d.get("quantization_config") or {}).get("quant_method")
-            raise ModelConfigError(
-                f"quantized checkpoints are not supported (quant_method {method!r})"
-            )
         if d.get("use_sliding_window") and d.get("sliding_window"):
             raise ModelConfigError("sliding-window attention is not supported")
         try:
@@ -133,6 +171,7 @@ class ModelConfig:
                 hidden_act=hidden_act,
                 eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
                 bos_token_id=d.get("bos_token_id"),
+                quant=Fp8Config.of_checkpoint(d.get("quantization_config")),
                 raw=d,
             )
         except KeyError as e:

@@ -17,15 +17,19 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from safeserve.config import TINY_MODEL
+from safeserve.kernels.fp8_reference import FP8, block_dequantize, block_quantize
+from safeserve.layers.linear import BlockFp8Linear
 from safeserve.model import registry
 from safeserve.model.base import CausalLM
 from safeserve.model.checkpoint import TINY_CONFIG as TINY_CONFIG  # re-exported
 from safeserve.model.checkpoint import LoadError, _Checkpoint, load_model_config
 from safeserve.model.checkpoint import check_checkpoint as check_checkpoint  # re-exported
+from safeserve.model.quant import FP8_DTYPE, SCALE_SUFFIX, check_device, weight_name
 from safeserve.model.sharding import routing_source
-from safeserve.model.spec import ExpertSlice, ExpertSource, Slice, WeightSpecs
+from safeserve.model.spec import ExpertSlice, ExpertSource, Slice, WeightSpec, WeightSpecs
 from safeserve.moe.dispatch.base import Dispatcher
 from safeserve.moe.layer import write_expert_map
+from safeserve.moe.runner import ExpertRunner
 from safeserve.parallel.comm import Comm, Layout
 
 logger = logging.getLogger(__name__)
@@ -42,20 +46,27 @@ def build_model(
     layout: Layout | None = None,
     comm: Comm | None = None,
     seed: int = 0,
+    quantization: str | None = None,
 ) -> CausalLM:
-    """This rank's shard of the model, with its weights filled."""
-    cfg = load_model_config(model)
+    """This rank's shard of the model, with its weights filled (`quantization`: as
+    `--quantization`)."""
+    cfg = load_model_config(model, quantization)
+    check_device(cfg.quant, torch.device(device).type)
     layout = layout or Layout()
     comm = comm or Comm(layout, torch.device(device))
     torch_dtype = DTYPES[dtype]
-    with torch.device("meta"), _NoInitOnMeta():
-        net = registry.model_class(cfg)(cfg, layout, comm, dispatcher)
-    net = _to_empty(net, device, torch_dtype)
-    # Buffers are not parameters: recompute them on the real device.
-    net.reset_buffers(device)
     # The expert map (None: the trivial one) places the routed experts: the routers' rows of
     # this rank's send table, and the logical expert whose weights each local slot holds.
     expert_map = dispatcher.placement.expert_map if cfg.num_experts else None
+    ckpt = None if model == TINY_MODEL or load_format == "dummy" else _Checkpoint(Path(model))
+    stored = ckpt.dtype if ckpt is not None and cfg.quant and not cfg.quant.online else None
+    specs = registry.weight_specs(cfg, layout, expert_map, stored)
+    with torch.device("meta"), _NoInitOnMeta():
+        net = registry.model_class(cfg)(cfg, layout, comm, dispatcher)
+        _use_fp8(net, specs)  # before allocation: the weights are never held in high precision
+    net = _to_empty(net, device, torch_dtype)
+    # Buffers are not parameters: recompute them on the real device.
+    net.reset_buffers(device)
     moe = [layer.mlp for layer in net.layers if layer.is_moe]
     if moe:
         placement = dispatcher.placement
@@ -63,20 +74,40 @@ def build_model(
         write_expert_map(moe, m, routing_source(layout))
     # Before filling: the per-projection parameters become views of the fused weights.
     net.fuse_projections()
-    specs = registry.weight_specs(cfg, layout, expert_map)
     params = dict(net.named_parameters())
-    missing = set(params) - set(specs) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
+    scales = {n + SCALE_SUFFIX for n, s in specs.items() if s.fp8 and not s.fp8.dequantize}
+    tied = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    missing = set(params) - set(specs) - scales - tied
     if missing:
         raise LoadError(f"no weight spec for {sorted(missing)[:3]}")
-    extra = set(specs) - set(params)
+    extra = (set(specs) | scales) - set(params)
     if extra:
         raise LoadError(f"weight spec names no parameter: {sorted(extra)[:3]}")
-    if model == TINY_MODEL or load_format == "dummy":
+    if ckpt is None:
         init_random_weights(params, specs, seed)
     else:
-        load_safetensors(params, specs, Path(model))
+        load_safetensors(params, specs, ckpt)
     net.eval()
     return net
+
+
+def _use_fp8(net: torch.nn.Module, specs: WeightSpecs) -> None:
+    """Makes the modules of the specs' FP8 weights block FP8: linears become `BlockFp8Linear`,
+    expert runners hold FP8 experts."""
+    modules = dict(net.named_modules())
+    for name, spec in specs.items():
+        if spec.fp8 is None or spec.fp8.dequantize:
+            continue
+        owner, _, param = name.rpartition(".")
+        m = modules[owner]
+        if isinstance(m, ExpertRunner):
+            if m.block is None:
+                m.use_fp8(spec.fp8.block)
+        elif isinstance(m, torch.nn.Linear) and param == "weight":
+            parent, _, attr = owner.rpartition(".")
+            setattr(modules[parent], attr, BlockFp8Linear.like(m, spec.fp8.block))
+        else:
+            raise LoadError(f"{name} is not a linear layer's weight: it cannot be FP8")
 
 
 class _NoInitOnMeta(TorchFunctionMode):
@@ -112,10 +143,14 @@ def _to_empty(
     the modules' float32 and cast afterwards, a bf16 model held twice its size on the device
     for a moment, and the allocator kept that memory cached, so the KV cache, sized from the
     device's free memory, lost as much as the weights (4 GB of KV on an H200 with
-    Qwen3-30B-A3B instead of about 60)."""
+    Qwen3-30B-A3B instead of about 60). FP8 weights and their float32 scales keep their dtype."""
+    keep = {id(p) for n, p in net.named_parameters() if p.dtype == FP8 or n.endswith(SCALE_SUFFIX)}
     return net._apply(
         lambda t: torch.empty_strided(
-            t.size(), t.stride(), dtype=dtype if t.is_floating_point() else t.dtype, device=device
+            t.size(),
+            t.stride(),
+            dtype=dtype if t.is_floating_point() and id(t) not in keep else t.dtype,
+            device=device,
         )
     )
 
@@ -124,7 +159,8 @@ def _to_empty(
 def init_random_weights(
     params: dict[str, torch.nn.Parameter], specs: WeightSpecs, seed: int
 ) -> None:
-    """Deterministic weights: the same full model whatever the layout; each rank keeps its slice."""
+    """Deterministic weights: the same full model whatever the layout; each rank keeps its slice
+    (FP8 weights: its slice of the random weight, quantized)."""
     for index, name in enumerate(sorted(specs)):
         full_shape, piece = specs[name].shape, specs[name].piece
         p = params[name]
@@ -137,27 +173,81 @@ def init_random_weights(
         # One generator per tensor, so that a tensor's values do not depend on the others'.
         gen = torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + index)
         full = torch.randn(full_shape, generator=gen, device=p.device, dtype=torch.float32) * 0.02
-        p.copy_(piece.apply(full))
+        _store(params, name, specs[name], piece.apply(full))
         del full
+
+
+def _store(
+    params: dict[str, torch.nn.Parameter], name: str, spec: WeightSpec, value: torch.Tensor
+) -> None:
+    """This rank's slice `value` of a weight into its parameter, quantized where it is FP8
+    (held dequantized: rounded through FP8, as the checkpoint's FP8 would be)."""
+    if spec.fp8 is None:
+        params[name].copy_(value)
+        return
+    block = spec.fp8.block
+    if spec.fp8.dequantize:
+        params[name].copy_(block_dequantize(*block_quantize(value, block), block))
+        return
+    if isinstance(spec.piece, ExpertSlice) and spec.piece.is_w13:
+        # gate and up are tiled each on its own, as a checkpoint stores them
+        width = value.shape[1] // 2
+        halves = [block_quantize(value[:, :width], block), block_quantize(value[:, width:], block)]
+        tiles = halves[0][1].shape[1]
+        for k, (q, s) in enumerate(halves):
+            params[name][:, k * width : (k + 1) * width].copy_(q)
+            params[name + SCALE_SUFFIX][:, k * tiles : (k + 1) * tiles].copy_(s)
+        return
+    q, s = block_quantize(value, block)
+    params[name].copy_(q)
+    params[name + SCALE_SUFFIX].copy_(s)
 
 
 @torch.no_grad()
 def load_safetensors(
-    params: dict[str, torch.nn.Parameter], specs: WeightSpecs, model_dir: Path
+    params: dict[str, torch.nn.Parameter], specs: WeightSpecs, ckpt: _Checkpoint
 ) -> None:
-    ckpt = _Checkpoint(model_dir)
+    """Each parameter's slice from the checkpoint: FP8 weights with their block scales as
+    stored, or quantized as they are read (`--quantization fp8`: one tensor at a time in
+    float32, never the whole model)."""
     for name in sorted(specs):
         spec, dst = specs[name], params[name]
-        if isinstance(spec.source, ExpertSource):
-            assert isinstance(spec.piece, ExpertSlice)
-            _load_experts(ckpt, dst, spec.source, spec.piece, spec.shape)
-            continue
-        shape = ckpt.shape(spec.source)
-        if shape != spec.shape:
-            raise LoadError(f"{spec.source}: checkpoint shape {shape} != expected {spec.shape}")
-        assert isinstance(spec.piece, Slice)
-        dst.copy_(ckpt.get_slice(spec.source, spec.piece))
-    logger.info("loaded %d tensors from %s", len(specs), model_dir)
+        fp8 = spec.fp8
+        stored = ckpt.dtype(weight_name(spec.source, ckpt.dtype))
+        if stored == FP8_DTYPE and (fp8 is None or fp8.scale is None):
+            raise LoadError(
+                f"{weight_name(spec.source, ckpt.dtype)} is stored as FP8 without scales"
+            )
+        if fp8 is None:
+            _read(ckpt, dst, spec)
+        elif fp8.scale is not None and not fp8.dequantize:
+            _read(ckpt, dst, spec)
+            _read(ckpt, params[name + SCALE_SUFFIX], fp8.scale)
+        elif fp8.scale is not None:  # stored FP8, held dequantized
+            assert isinstance(fp8.scale.source, str) and isinstance(fp8.scale.piece, Slice)
+            q = torch.empty(dst.shape, dtype=FP8, device=dst.device)
+            _read(ckpt, q, spec)
+            scale = ckpt.get_slice(fp8.scale.source, fp8.scale.piece).to(dst.device)
+            dst.copy_(block_dequantize(q, scale, fp8.block))
+        else:  # quantized as read (online)
+            value = torch.empty(dst.shape, dtype=torch.float32, device=dst.device)
+            _read(ckpt, value, spec)
+            _store(params, name, spec, value)
+            del value
+    logger.info("loaded %d tensors from %s", len(specs), ckpt.model_dir)
+
+
+def _read(ckpt: _Checkpoint, dst: torch.Tensor, spec: WeightSpec) -> None:
+    """This rank's slice of the checkpoint tensor(s) of `spec` into `dst`."""
+    if isinstance(spec.source, ExpertSource):
+        assert isinstance(spec.piece, ExpertSlice)
+        _load_experts(ckpt, dst, spec.source, spec.piece, spec.shape)
+        return
+    shape = ckpt.shape(spec.source)
+    if shape != spec.shape:
+        raise LoadError(f"{spec.source}: checkpoint shape {shape} != expected {spec.shape}")
+    assert isinstance(spec.piece, Slice)
+    dst.copy_(ckpt.get_slice(spec.source, spec.piece))
 
 
 def _load_experts(

@@ -13,6 +13,7 @@ from types import ModuleType
 from typing import Any
 
 from safeserve.model.config import ModelConfig, ModelConfigError
+from safeserve.model.quant import StoredDtype, fp8_specs
 from safeserve.model.spec import KVSpec, WeightSpecs
 from safeserve.moe.expert_map import ExpertMap
 from safeserve.parallel.layout import Layout
@@ -59,11 +60,19 @@ def parse_config(d: dict[str, Any]) -> ModelConfig:
 
 
 def weight_specs(
-    cfg: ModelConfig, layout: Layout, expert_map: ExpertMap | None = None
+    cfg: ModelConfig,
+    layout: Layout,
+    expert_map: ExpertMap | None = None,
+    stored: StoredDtype | None = None,
 ) -> WeightSpecs:
     """Every parameter of the family's model on this rank, its routed experts placed by
-    `expert_map` (None: the trivial map); LayoutError where it cannot be laid out so."""
-    return spec_module(cfg.model_type).weight_specs(cfg, layout, expert_map)
+    `expert_map` (None: the trivial map); LayoutError where it cannot be laid out so. Under
+    FP8 (`cfg.quant`) the FP8 weights are marked, by the checkpoint's dtypes (`stored`) where
+    they are known (`model/quant.py`)."""
+    specs = spec_module(cfg.model_type).weight_specs(cfg, layout, expert_map)
+    if cfg.quant is not None:
+        specs = fp8_specs(specs, cfg.quant, stored)
+    return specs
 
 
 def kv_spec(cfg: ModelConfig, layout: Layout) -> KVSpec:
@@ -76,7 +85,8 @@ def model_class(cfg: ModelConfig) -> type:
     return getattr(importlib.import_module(module), name)
 
 
-def check_layout(cfg: ModelConfig, layout: Layout) -> None:
-    """Raises LayoutError (one line) when the model cannot be laid out so."""
-    weight_specs(cfg, layout)
+def check_layout(cfg: ModelConfig, layout: Layout, stored: StoredDtype | None = None) -> None:
+    """Raises LayoutError (one line) when the model cannot be laid out so (`stored`: the
+    checkpoint's dtypes, which decide what is FP8, as `weight_specs`')."""
+    weight_specs(cfg, layout, stored=stored)
     kv_spec(cfg, layout)

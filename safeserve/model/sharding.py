@@ -130,6 +130,14 @@ def whole(shape: tuple[int, ...], source: str, float32: bool = False) -> WeightS
     return WeightSpec(shape, Slice(), source, float32)
 
 
+def linear(
+    shape: tuple[int, int], piece: Slice, source: str, dequantize_fp8: bool = False
+) -> WeightSpec:
+    """A linear layer's weight `[out, in]` (block FP8 under quantization, `model/quant.py`;
+    `dequantize_fp8`: held in the model's dtype all the same, see `WeightSpec`)."""
+    return WeightSpec(shape, piece, source, linear=True, dequantize_fp8=dequantize_fp8)
+
+
 def embedding_specs(cfg: ModelConfig, hf: str = "model.") -> WeightSpecs:
     """Embedding table, final norm and (unless tied) the LM head."""
     h = cfg.hidden_size
@@ -155,10 +163,10 @@ def gqa_attention_specs(
     kv_rows = Slice(0, heads.kv_start * d, (heads.kv_start + heads.num_kv_heads) * d)
     hq, hkv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
     specs = {
-        ours + "q_proj.weight": WeightSpec((hq, h), q_rows, hf + "q_proj.weight"),
-        ours + "k_proj.weight": WeightSpec((hkv, h), kv_rows, hf + "k_proj.weight"),
-        ours + "v_proj.weight": WeightSpec((hkv, h), kv_rows, hf + "v_proj.weight"),
-        ours + "o_proj.weight": WeightSpec(
+        ours + "q_proj.weight": linear((hq, h), q_rows, hf + "q_proj.weight"),
+        ours + "k_proj.weight": linear((hkv, h), kv_rows, hf + "k_proj.weight"),
+        ours + "v_proj.weight": linear((hkv, h), kv_rows, hf + "v_proj.weight"),
+        ours + "o_proj.weight": linear(
             (h, hq), Slice(1, q_rows.start, q_rows.stop), hf + "o_proj.weight"
         ),
     }
@@ -190,9 +198,9 @@ def dense_mlp_specs(
     s0, s1 = dense_split(cfg, layout, w, what)
     gate, up, down = names
     return {
-        ours + "gate_proj.weight": WeightSpec((w, h), Slice(0, s0, s1), hf + gate + ".weight"),
-        ours + "up_proj.weight": WeightSpec((w, h), Slice(0, s0, s1), hf + up + ".weight"),
-        ours + "down_proj.weight": WeightSpec((h, w), Slice(1, s0, s1), hf + down + ".weight"),
+        ours + "gate_proj.weight": linear((w, h), Slice(0, s0, s1), hf + gate + ".weight"),
+        ours + "up_proj.weight": linear((w, h), Slice(0, s0, s1), hf + up + ".weight"),
+        ours + "down_proj.weight": linear((h, w), Slice(1, s0, s1), hf + down + ".weight"),
     }
 
 
@@ -229,10 +237,12 @@ def routed_expert_specs(
             (n, 2 * w, h),
             ExpertSlice(experts, i0, i1, w, True),
             ExpertSource(hf + "gate_up_proj", (gate, up)),
+            linear=True,
         ),
         ours + "w2": WeightSpec(
             (n, h, w),
             ExpertSlice(experts, i0, i1, w, False),
             ExpertSource(hf + "down_proj", (down,)),
+            linear=True,
         ),
     }

@@ -101,6 +101,26 @@ class WeightSpec:
     # Held in float32 whatever the model's dtype (DeepSeek-V3's router, as transformers keeps
     # it; the router module casts it so, and the planner counts its bytes so).
     float32: bool = False
+    # A linear layer's weight (2-D `[out, in]`, or stacked experts): FP8 under quantization.
+    linear: bool = False
+    # A linear weight used other than as a GEMM (MLA's absorbed `kv_b_proj`): held in the
+    # model's dtype all the same, its FP8 (stored, or quantized at load) dequantized as read.
+    dequantize_fp8: bool = False
+    # Set where the weight is held as block FP8 (`model/quant.py` sets it; None: not FP8).
+    fp8: Fp8Spec | None = None
+
+
+@dataclass(frozen=True)
+class Fp8Spec:
+    """A weight held as block FP8 (`safeserve.kernels.fp8_reference`): its `block` tiles, and
+    `scale`, the spec of its block scales (the parameter `<name>_scale_inv`) where the
+    checkpoint stores the weight in FP8 (None: quantized as it is loaded). `dequantize`: held
+    in the model's dtype all the same, the checkpoint's FP8 dequantized at load (a weight used
+    other than as a linear: MLA's absorbed `kv_b_proj`)."""
+
+    block: tuple[int, int]
+    scale: WeightSpec | None
+    dequantize: bool = False
 
 
 WeightSpecs = dict[str, WeightSpec]

@@ -83,8 +83,9 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
         "--quantization",
         default="none",
         choices=list(QUANTIZATIONS),
-        help="'fp8': projection weights block-quantized to FP8 (128 x 128 blocks, float32 "
-        "scales), as DeepSeek-V3's checkpoints. Bytes only: serve does not run FP8 yet.",
+        help="'fp8': linear weights block-quantized to FP8 (128 x 128 blocks, float32 "
+        "scales), as DeepSeek-V3's checkpoints (an FP8 checkpoint needs no flag). Bytes "
+        "only: serve runs FP8 weights on CPU only so far.",
     )
     g.add_argument(
         "--kv-cache-dtype",

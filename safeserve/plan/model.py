@@ -20,7 +20,6 @@ QUANTIZATIONS = ("none", "fp8")
 KV_CACHE_DTYPES = ("auto", "fp8")
 FP8_BLOCK = 128  # the block of block-quantized FP8 weights (one float32 scale each)
 EMBED = "embed_tokens.weight"
-LM_HEAD = "lm_head.weight"
 
 
 def held_shape(spec: WeightSpec) -> list[int]:
@@ -43,15 +42,10 @@ def held_numel(spec: WeightSpec) -> int:
     return math.prod(held_shape(spec))
 
 
-def fp8_quantized(name: str, spec: WeightSpec) -> bool:
-    """Whether block-quantized FP8 checkpoints (DeepSeek-V3's, Qwen3's FP8 releases) store this
-    weight in FP8: every projection matrix, not the embedding, LM head, routers or norms."""
-    return (
-        len(spec.shape) >= 2
-        and not spec.float32
-        and name not in (EMBED, LM_HEAD)
-        and not name.endswith("gate.weight")  # the router and Qwen2-MoE's shared-expert gate
-    )
+def fp8_quantized(spec: WeightSpec) -> bool:
+    """Whether serve holds this weight in FP8 under block FP8 (`model/quant.py`): the linear
+    weights, not the embedding, LM head, routers, norms, or MLA's absorbed `kv_b_proj`."""
+    return spec.linear and not spec.dequantize_fp8
 
 
 def fp8_bytes(shape: list[int]) -> int:
@@ -79,7 +73,7 @@ class ModelFacts:
 
     cfg: ModelConfig
     itemsize: int  # weights and activations (bf16: 2)
-    quantization: str = "none"  # "fp8": block-quantized FP8 projection weights
+    quantization: str = "none"  # "fp8": block-quantized FP8 linear weights
     kv_itemsize: int | None = None  # None: the model's itemsize; 1: an FP8 KV cache
 
     @property
@@ -90,8 +84,9 @@ class ModelFacts:
         specs = weight_specs(self.cfg, layout)
         total = dense = local = embed_row = 0
         per_layer: dict[str, int] = {}  # one expert's bytes (w13 + w2), per MoE layer
+        fp8 = self.quantization == "fp8" or self.cfg.quant is not None  # flag or checkpoint
         for name, spec in specs.items():
-            if self.quantization == "fp8" and fp8_quantized(name, spec):
+            if fp8 and fp8_quantized(spec):
                 n = fp8_bytes(held_shape(spec))
             else:
                 n = held_numel(spec) * (4 if spec.float32 else self.itemsize)

@@ -250,7 +250,10 @@ def test_config_rules_and_defaults() -> None:
 @pytest.mark.parametrize(
     "change,message",
     [
-        ({"quantization_config": {"quant_method": "fp8"}}, "quantized checkpoints"),
+        (
+            {"quantization_config": {"quant_method": "fp8"}},
+            "supported: quant_method 'fp8', fmt 'e4m3'",
+        ),
         ({"scoring_func": "softmax"}, "scoring_func 'softmax'"),
         ({"topk_method": "group_limited_greedy"}, "topk_method"),
         ({"moe_layer_freq": 2}, "moe_layer_freq 2"),

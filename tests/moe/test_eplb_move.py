@@ -81,6 +81,47 @@ def test_a_move_on_three_ranks_leaves_every_slot_with_its_new_expert() -> None:
     assert total_sent == remote * slot
 
 
+def _fp8_experts(row: list[int], rank: int, spr: int):  # type: ignore[no-untyped-def]
+    """A rank's FP8 experts (`ExpertRunner.use_fp8`) whose weights and scales name their
+    expert: w13 filled with e, w2 with -e, the scales with e + 0.5."""
+    from types import SimpleNamespace
+
+    from safeserve.moe.runner import ExpertRunner
+
+    runner = ExpertRunner(spr, 4, 3)
+    runner.use_fp8((128, 128))
+    with torch.no_grad():
+        for slot, e in enumerate(row[rank * spr : (rank + 1) * spr]):
+            runner.w13[slot] = float(e)
+            runner.w2[slot] = -float(e)
+            runner.w13_scale_inv[slot] = e + 0.5
+            runner.w2_scale_inv[slot] = e + 0.5
+    return SimpleNamespace(experts=runner)
+
+
+def _move_fp8_rank(rank: int, world: int, init: str, old: list, new: list) -> list:
+    from safeserve.engine.rank_eplb import expert_weights
+    from safeserve.moe.eplb.move import move_layer
+    from safeserve.parallel.comm import Comm
+    from safeserve.parallel.layout import Layout
+
+    comm = Comm(Layout(rank, world, world, False), torch.device("cpu"))
+    comm.init(init)
+    spr = len(old) // world
+    layer = _fp8_experts(old, rank, spr)
+    move_layer(expert_weights(layer), layer_transfers(old, new, spr), rank, comm)  # type: ignore[arg-type]
+    comm.shutdown()
+    return [p.float().tolist() for p in layer.experts.parameters()]
+
+
+def test_fp8_experts_move_with_their_scales() -> None:
+    old, new = [0, 1, 2, 3], [3, 1, 0, 0]
+    got = run_ranks(_move_fp8_rank, 2, (old, new), timeout=60)
+    for rank, params in enumerate(got):
+        want = [p.float().tolist() for p in _fp8_experts(new, rank, 2).experts.parameters()]
+        assert params == want, f"rank {rank}"
+
+
 def test_location_files(tmp_path: Path) -> None:
     trivial = initial_expert_map("trivial", 8, 2, 4, redundant=4)
     assert trivial.num_physical == 12 and trivial.phy2log[0][8:] == (0, 1, 2, 3)

@@ -24,10 +24,11 @@ from safeserve.model.sharding import (
     dense_mlp_specs,
     embedding_specs,
     head_split,
+    linear,
     routed_expert_specs,
     whole,
 )
-from safeserve.model.spec import KVSpec, Slice, WeightSpec, WeightSpecs
+from safeserve.model.spec import KVSpec, Slice, WeightSpecs
 from safeserve.moe.expert_map import ExpertMap
 from safeserve.parallel.layout import Layout
 
@@ -182,26 +183,27 @@ def mla_specs(cfg: DeepseekV3Config, layout: Layout, ours: str, hf: str) -> Weig
     lat, rope = cfg.kv_lora_rank, cfg.qk_rope_head_dim
     specs: WeightSpecs = {}
     if cfg.q_lora_rank is None:
-        specs[ours + "q_proj.weight"] = WeightSpec(
+        specs[ours + "q_proj.weight"] = linear(
             (n * qk, h), Slice(0, h0 * qk, h1 * qk), hf + "q_proj.weight"
         )
     else:
         r = cfg.q_lora_rank
-        specs[ours + "q_a_proj.weight"] = whole((r, h), hf + "q_a_proj.weight")
+        specs[ours + "q_a_proj.weight"] = linear((r, h), Slice(), hf + "q_a_proj.weight")
         specs[ours + "q_a_layernorm.weight"] = whole((r,), hf + "q_a_layernorm.weight")
-        specs[ours + "q_b_proj.weight"] = WeightSpec(
+        specs[ours + "q_b_proj.weight"] = linear(
             (n * qk, r), Slice(0, h0 * qk, h1 * qk), hf + "q_b_proj.weight"
         )
         if cfg.attention_bias:
             specs[ours + "q_a_proj.bias"] = whole((r,), hf + "q_a_proj.bias")
-    specs[ours + "kv_a_proj_with_mqa.weight"] = whole(
-        (lat + rope, h), hf + "kv_a_proj_with_mqa.weight"
+    specs[ours + "kv_a_proj_with_mqa.weight"] = linear(
+        (lat + rope, h), Slice(), hf + "kv_a_proj_with_mqa.weight"
     )
     specs[ours + "kv_a_layernorm.weight"] = whole((lat,), hf + "kv_a_layernorm.weight")
-    specs[ours + "kv_b_proj.weight"] = WeightSpec(
-        (n * kv_b, lat), Slice(0, h0 * kv_b, h1 * kv_b), hf + "kv_b_proj.weight"
+    # absorbed into the query and the output (`layers/mla.py`), so held dequantized
+    specs[ours + "kv_b_proj.weight"] = linear(
+        (n * kv_b, lat), Slice(0, h0 * kv_b, h1 * kv_b), hf + "kv_b_proj.weight", True
     )
-    specs[ours + "o_proj.weight"] = WeightSpec(
+    specs[ours + "o_proj.weight"] = linear(
         (h, n * v), Slice(1, h0 * v, h1 * v), hf + "o_proj.weight"
     )
     if cfg.attention_bias:
