@@ -47,6 +47,7 @@ POLICY_FIELDS: tuple[str, ...] = (
     "watchdog_stall_timeout",
     "watchdog_slow_factor",
     "watchdog_slow_window_s",
+    "canary_interval_s",
 )
 
 _FIELDS = {f.name: f for f in dataclasses.fields(ServerArgs)}

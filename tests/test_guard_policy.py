@@ -39,6 +39,7 @@ NON_DEFAULT = {
     "watchdog_stall_timeout": 12.5,
     "watchdog_slow_factor": 3.0,
     "watchdog_slow_window_s": 2.5,
+    "canary_interval_s": 45.0,
 }
 
 

@@ -151,6 +151,11 @@ def sizing_args(ns: argparse.Namespace, dtype: str, **override: Any) -> ServerAr
     return ServerArgs(dtype=dtype, **kw)
 
 
+# Presets turn the canary on (the server's default is off): a device computing wrong results is
+# fenced within two intervals, for one short greedy request per group this often.
+PRESET_CANARY_INTERVAL_S = 30.0
+
+
 def policy_values(lp: LayoutPlan, args: ServerArgs, cpu: bool) -> dict[str, Any]:
     """The preset of a layout: what its ranks were sized with and the guards' sizes."""
     s = lp.sizing
@@ -171,6 +176,7 @@ def policy_values(lp: LayoutPlan, args: ServerArgs, cpu: bool) -> dict[str, Any]
         out["dispatch_budget_tokens"] = s.dispatch_budget
     if pre is not None:
         out["chunked_prefill_size"] = pre.chunk
+    out["canary_interval_s"] = PRESET_CANARY_INTERVAL_S
     return out
 
 
