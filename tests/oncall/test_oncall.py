@@ -311,3 +311,24 @@ def test_describe_shows_the_last_rebalance_and_points_to_the_skew_runbook() -> N
     why = dict(runbooks_for(group(overdue, 0.9), [], now=100.0))["dispatch-skew"]
     assert "an EPLB rebalance check was due and did not run" in why
     assert "EPLB:         off" in describe_group(group({"enabled": False}, 0.9), [], now=0.0)
+
+
+def test_a_corrupt_verdict_names_the_group_and_its_runbook() -> None:
+    from safeserve.oncall.views import describe_group, groups_table, runbooks_for
+
+    verdict = {"kind": "corrupt", "rank": None, "reason": "the canary answered wrong", "at": 95.0}
+    g = {
+        "id": 1,
+        "state": "READY",
+        "ranks": [],
+        "running": 0,
+        "waiting": 0,
+        "in_flight": 0,
+        "failures": 1,
+        "restarts": 1,
+        "verdicts": [verdict],
+    }
+    assert "corrupt group 5s ago" in groups_table([g], now=100.0)
+    assert "corrupt  group: the canary answered wrong" in describe_group(g, [g], now=100.0)
+    why = dict(runbooks_for(g, [g], now=100.0))["rank-corrupt"]
+    assert why == "watchdog verdict corrupt on group 5s ago"
