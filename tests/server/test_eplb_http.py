@@ -1,5 +1,5 @@
 """EPLB through the HTTP server: 32 streams run on a 4-rank group (EP4, attention data-parallel,
-redundant experts) whose router favours a few experts, while the group rebalances every few
+redundant experts; and tensor-parallel attention without them) whose router favours a few experts, while the group rebalances every few
 passes and moves expert weights between its ranks. Every stream's tokens equal transformers'
 greedy continuation: nothing lost, failed or repeated; the inter-token latency of the streams
 is reported against the same run without EPLB."""
@@ -95,9 +95,9 @@ def _p99_itl_ms(out: dict) -> float:
     return statistics.quantiles(gaps, n=100)[98]
 
 
-def _serve(model: Path, extra: list[str], log: Path) -> tuple[dict, str]:
+def _serve(model: Path, extra: list[str], log: Path, group: list[str] = GROUP) -> tuple[dict, str]:
     s = start_server(
-        ["--model", str(model), "--served-model-name", "tiny", *GROUP, *extra], log, timeout=180
+        ["--model", str(model), "--served-model-name", "tiny", *group, *extra], log, timeout=180
     )
     try:
         out = _run_streams(s)
@@ -122,3 +122,19 @@ def test_streams_lose_nothing_while_the_group_rebalances(skewed: Path, tmp_path:
         f"p99 inter-token latency over {STREAMS} streams: {_p99_itl_ms(got):.1f} ms with EPLB "
         f"({moves} rebalances), {_p99_itl_ms(base):.1f} ms without"
     )
+
+
+def test_tensor_parallel_attention_without_redundant_experts(skewed: Path, tmp_path: Path) -> None:
+    """The other side: every rank routes the same tokens (`none`, tensor-parallel attention)
+    and no expert has a replica: the rebalances permute whole experts between ranks."""
+    want = greedy_continuations(skewed, _prompts(), MAX_TOKENS)
+    group = ["--tp-size", "4", "--moe-a2a-backend", "none", "--ep-size", "4"]
+    extra = ["--enable-eplb", "--eplb-rebalance-num-iterations", "6"]
+    extra += ["--expert-balancedness-report-mode", "log"]
+    got, log = _serve(skewed, extra, tmp_path / "tp.log", group)
+    assert sorted(got) == list(range(STREAMS))
+    for i in range(STREAMS):
+        ids, _, error = got[i]
+        assert error is None, f"stream {i}: {error}"
+        assert ids == want[i], f"stream {i}"
+    assert log.count("EPLB rebalance done") >= 1, log[-3000:]
