@@ -358,9 +358,8 @@ class Generator:
     def rebalance(self, target: Supervisor) -> int:
         """`target` just became READY: moves requests still waiting on other groups to it,
         newest first, while the source holds more waiting requests (queued, or sent since its
-        last report) than it has moved and the move narrows the gap in occupied slots
-        (`router.score`) by leaving the source at least one more than `target`. Returns how many
-        moved."""
+        last report: `router.score`) than it has moved, and keeps at least as many occupied
+        slots as `target` after the move. Returns how many moved."""
         router = self.router
         scores = {s.group: router.score(s) for s in router.ready()}
         if target.group not in scores or target.client is None:
