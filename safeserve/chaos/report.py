@@ -44,6 +44,8 @@ from safeserve.chaos.observer import Observer, metric_total
 from safeserve.chaos.scenario import EXPECTED_VERDICT, SIGNAL_ACTIONS, Scenario
 from safeserve.guards.watchdog import VERDICT_KINDS
 
+PICK_REASONS = ("new", "moved", "migrated")  # safeserve:router_picks_total's reasons
+
 RECOVERY_WINDOW_S = 3.0
 SHARE_STEP_S = 0.5
 SHARE_MIN_REQUESTS = 5  # a window with fewer answered requests says nothing about a share
@@ -311,6 +313,8 @@ def server_counters(before: dict, after: dict, groups_before: list, groups_after
     rests = {g["id"]: g["restarts"] for g in groups_before}
     return {
         "migrations": delta("request_migrations_total"),
+        # the router's choices by reason: new, moved (waiting, to a group back READY), migrated
+        "router_picks": {r: delta("router_picks_total", reason=r) for r in PICK_REASONS},
         "retries": delta("request_retries_total"),
         "failed_after_retries": delta("requests_failed_after_retries_total"),
         "lost": delta("requests_lost_total"),
@@ -547,7 +551,8 @@ def render(report: dict[str, Any]) -> str:
         f"({report['elapsed_s']:.0f} s)",
         f"requests: sent {req['sent']}, succeeded {req['succeeded']}, failed {req['failed']}, "
         f"lost {req['lost']}, consistent {_pct(req['consistent'])}; "
-        f"migrations {report['server']['migrations']:.0f}, retries {report['server']['retries']:.0f}",
+        f"migrations {report['server']['migrations']:.0f}, retries {report['server']['retries']:.0f}"
+        + f", moved while waiting {report['server'].get('router_picks', {}).get('moved', 0):.0f}",
         "baseline: "
         + ", ".join(
             f"group {g} {_num(b['tokens_per_s'])} tok/s p99 TPOT {_ms(b['p99_tpot_s'])}"

@@ -227,3 +227,74 @@ def test_nothing_moves_when_the_source_has_no_waiting_request() -> None:
             r.close()
 
     asyncio.run(run())
+
+
+def test_waiting_streams_move_to_an_undrained_group_over_http(server_factory) -> None:  # type: ignore[no-untyped-def]
+    """A real server, two one-rank groups, one decode slot each: with group 0 drained, six
+    streams go to group 1 (one runs, five wait); undraining group 0 moves waiting ones to it.
+    Each answer names the group that served it, every output equals the one it gets alone, and
+    the moves are counted."""
+    import time
+
+    import httpx
+    from serving import metric, sse_chunk
+
+    s = server_factory(
+        ["--num-groups", "2", "--max-model-len", "256", "--max-running-requests", "1"]
+    )
+    prompts = [[20 + 7 * i + j for j in range(8)] for i in range(6)]
+
+    def body(p: list[int], stream: bool) -> dict:
+        return {
+            "model": "tiny",
+            "prompt": p,
+            "max_tokens": 24,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            "stream": stream,
+        }
+
+    ref = []
+    for p in prompts:
+        r = httpx.post(s.url + "/v1/completions", json=body(p, False), timeout=120)
+        assert r.status_code == 200 and r.headers["x-safeserve-group"] in ("0", "1")
+        ref.append(r.json()["choices"][0]["token_ids"])
+    assert httpx.post(s.admin_url + "/admin/groups/0/drain").status_code == 200
+    deadline = time.monotonic() + 30
+    while httpx.get(s.admin_url + "/admin/groups").json()["groups"][0]["state"] != "DRAINED":
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+
+    async def one(c: httpx.AsyncClient, p: list[int]) -> tuple[str, list[int], list]:
+        ids: list[int] = []
+        errors: list = []
+        async with c.stream("POST", s.url + "/v1/completions", json=body(p, True)) as r:
+            assert r.status_code == 200
+            group = r.headers["x-safeserve-group"]
+            async for line in r.aiter_lines():
+                chunk = sse_chunk(line, errors)
+                if chunk is not None:
+                    ids.extend(chunk["choices"][0].get("token_ids") or [])
+        return group, ids, errors
+
+    async def run() -> list[tuple[str, list[int], list]]:
+        async with httpx.AsyncClient(timeout=120) as c:
+            tasks = [asyncio.create_task(one(c, p)) for p in prompts]
+            while True:  # all six held by group 1 (in flight at the frontend)
+                g1 = (await c.get(s.admin_url + "/admin/groups")).json()["groups"][1]
+                if g1["in_flight"] == len(prompts):
+                    break
+                await asyncio.sleep(0.02)
+            r = await c.post(s.admin_url + "/admin/groups/0/undrain")
+            assert r.status_code == 200 and r.json()["state"] == "READY"
+            return await asyncio.gather(*tasks)
+
+    results = asyncio.run(run())
+    assert [ids for _, ids, _ in results] == ref  # nothing lost, nothing repeated
+    assert all(not errors for _, _, errors in results)
+    groups = [g for g, _, _ in results]
+    moved = metric(s, 'safeserve:router_picks_total{group="0",reason="moved"}')
+    assert 1 <= moved <= 5 and groups.count("0") == moved  # only moved streams name group 0
+    assert metric(s, 'safeserve:router_picks_total{group="1",reason="new"}') >= len(prompts)
+    assert metric(s, "safeserve:requests_lost_total") == 0
