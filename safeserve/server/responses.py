@@ -56,7 +56,13 @@ async def stream_response(
 ) -> Response:
     source = gen.deltas()
     got = asyncio.ensure_future(anext(source, None))
-    if not await _until_done_or_gone(request, got):
+    try:
+        here = await _until_done_or_gone(request, got)
+    except asyncio.CancelledError:  # the server is stopping
+        got.cancel()
+        gen.close()
+        raise
+    if not here:
         got.cancel()
         await asyncio.wait({got})  # the generator ends with the cancellation
         await source.aclose()

@@ -233,11 +233,11 @@ def test_waiting_streams_move_to_an_undrained_group_over_http(server_factory) ->
     """A real server, two one-rank groups, one decode slot each: with group 0 drained, six
     streams go to group 1 (one runs, five wait); undraining group 0 moves waiting ones to it.
     Each answer names the group that served it, every output equals the one it gets alone, and
-    the moves are counted."""
+    the moves are counted. A waiting stream whose client leaves is dropped (499)."""
     import time
 
     import httpx
-    from serving import metric, sse_chunk
+    from serving import admin_groups, metric, sse_chunk
 
     s = server_factory(
         ["--num-groups", "2", "--max-model-len", "256", "--max-running-requests", "1"]
@@ -298,3 +298,25 @@ def test_waiting_streams_move_to_an_undrained_group_over_http(server_factory) ->
     assert 1 <= moved <= 5 and groups.count("0") == moved  # only moved streams name group 0
     assert metric(s, 'safeserve:router_picks_total{group="1",reason="new"}') >= len(prompts)
     assert metric(s, "safeserve:requests_lost_total") == 0
+    # A stream whose client goes away while it waits (no token, so no headers yet) is dropped
+    # from its group and answered 499; the running ones are not touched.
+    long = body(prompts[0], True) | {"max_tokens": 200}
+    closed = 'safeserve:requests_total{endpoint="/v1/completions",status="499"}'
+    before = metric(s, closed)
+    with httpx.Client(timeout=120) as c:
+        with (
+            c.stream("POST", s.url + "/v1/completions", json=long) as a,
+            c.stream("POST", s.url + "/v1/completions", json=long) as b,
+        ):
+            assert {a.headers["x-safeserve-group"], b.headers["x-safeserve-group"]} == {"0", "1"}
+            with pytest.raises(httpx.ReadTimeout):
+                c.post(s.url + "/v1/completions", json=long, timeout=httpx.Timeout(120, read=1.0))
+            deadline = time.monotonic() + 10
+            while sum(g["in_flight"] for g in admin_groups(s)) != 2:
+                assert time.monotonic() < deadline, admin_groups(s)
+                time.sleep(0.05)
+            assert metric(s, closed) == before + 1
+    deadline = time.monotonic() + 10
+    while sum(g["in_flight"] for g in admin_groups(s)) != 0:
+        assert time.monotonic() < deadline, admin_groups(s)
+        time.sleep(0.05)
