@@ -1,5 +1,6 @@
-"""Closed-loop streaming load: `concurrency` clients, each sending its next greedy completion
-as soon as the last one ends, every token timed on arrival.
+"""Streaming load, every token timed on arrival: closed loop (`concurrency` clients, each
+sending its next greedy completion as soon as the last one ends) or open loop (completions
+arriving as a Poisson process of `rate` per second, seeded, whatever the server answers).
 
 Prompts are token ids (exact lengths with any tokenizer) drawn from a fixed seed and cycled over
 `distinct_prompts`, so that greedy outputs of the same prompt can be compared across the run:
@@ -26,7 +27,9 @@ class RequestRecord:
     index: int
     prompt: int  # which of the distinct prompts
     start: float  # seconds since the load started
-    group: int | None = None  # the group that took it first (X-Safeserve-Group)
+    group: int | None = (
+        None  # the group that served it (X-Safeserve-Group; streams: its first token's)
+    )
     status: int | None = None  # HTTP status; None: no response at all
     token_ids: list[int] = field(default_factory=list)
     times: list[float] = field(default_factory=list)  # arrival of each token
@@ -37,6 +40,9 @@ class RequestRecord:
     @property
     def end(self) -> float:
         return self.times[-1] if self.times else self.start
+
+    def ttft(self) -> float | None:
+        return self.times[0] - self.start if self.times else None
 
     def tpot(self) -> float | None:
         if len(self.times) < 2:
@@ -69,7 +75,9 @@ class Load:
         return time.monotonic() - self.t0
 
     def _http(self) -> httpx.AsyncClient:
-        limits = httpx.Limits(max_connections=self.spec.concurrency + 4)
+        # open loop: no client-side queue (it would hide the server's)
+        most = None if self.spec.mode == "open" else self.spec.concurrency + 4
+        limits = httpx.Limits(max_connections=most, max_keepalive_connections=most)
         timeout = httpx.Timeout(self.spec.request_timeout_s, connect=10.0)
         return httpx.AsyncClient(limits=limits, timeout=timeout)
 
@@ -78,6 +86,9 @@ class Load:
         self.t0 = t0
         self._stop_at = self.spec.duration_s
         async with self._http() as client:
+            if self.spec.mode == "open":
+                await self._arrivals(client)
+                return
             n = self.spec.concurrency
             await asyncio.gather(
                 *(self._client(client, i * self.spec.ramp_s / n) for i in range(n))
@@ -89,6 +100,24 @@ class Load:
         self.t0 = t0
         async with self._http() as client:
             await asyncio.gather(*(self._request(client) for _ in range(self.spec.concurrency)))
+
+    def arrival_times(self) -> list[float]:
+        """Open loop: the seconds (since the start) at which requests are sent, a Poisson
+        process of `rate` per second drawn from `seed`, up to `duration_s`."""
+        assert self.spec.rate is not None
+        rng = random.Random(self.spec.seed)
+        out, t = [], rng.expovariate(self.spec.rate)
+        while t < self.spec.duration_s:
+            out.append(t)
+            t += rng.expovariate(self.spec.rate)
+        return out
+
+    async def _arrivals(self, client: httpx.AsyncClient) -> None:
+        tasks = []
+        for at in self.arrival_times():
+            await asyncio.sleep(max(0.0, at - self.now()))
+            tasks.append(asyncio.create_task(self._request(client)))
+        await asyncio.gather(*tasks)
 
     async def _client(self, client: httpx.AsyncClient, start_at: float) -> None:
         await asyncio.sleep(max(0.0, start_at - self.now()))

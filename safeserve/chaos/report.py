@@ -15,6 +15,15 @@ Definitions (README.md, Chaos runs):
   from the signal to that recovery (or the next fault, or the end); the *survivors* are the
   other groups: their tokens/s in the window ÷ baseline, and the p99 TPOT of their own requests
   (started on them) that ran in the window against their baseline p99.
+- *meets the SLO*: succeeded, its TTFT (sent to first token) within `[slo].ttft_s` and its TPOT
+  within `[slo].tpot_s`. *SLO goodput*: of the requests sent in a span, those that met it (a
+  count, a share, and per second of the span), overall and per group (the group that answered:
+  `X-Safeserve-Group`). In the baseline per group; per fault, each survivor's own requests sent
+  in the window, and its goodput per second against its baseline's (`slo_goodput_ratio`): under
+  an open-loop load a survivor gets the whole rate, so this is what it carried.
+- *share*: after a signal fault, from the faulted group's READY event on, the share of the
+  requests sent in each `share_window_s` window (sliding by `SHARE_STEP_S`) that it answered;
+  *rebalanced* = READY to the end of the first window within `share_tolerance` of 1/groups.
 
 `build_report` puts a run's numbers together; `render` formats a report as text, `as_json` and
 `dump` as JSON.
@@ -35,7 +44,11 @@ from safeserve.chaos.observer import Observer, metric_total
 from safeserve.chaos.scenario import EXPECTED_VERDICT, SIGNAL_ACTIONS, Scenario
 from safeserve.guards.watchdog import VERDICT_KINDS
 
+PICK_REASONS = ("new", "moved", "migrated")  # safeserve:router_picks_total's reasons
+
 RECOVERY_WINDOW_S = 3.0
+SHARE_STEP_S = 0.5
+SHARE_MIN_REQUESTS = 5  # a window with fewer answered requests says nothing about a share
 
 
 def percentile(xs: list[float], q: float) -> float | None:
@@ -81,6 +94,73 @@ def request_summary(records: list[RequestRecord], max_tokens: int) -> dict[str, 
     }
 
 
+def meets_slo(r: RequestRecord, sc: Scenario) -> bool:
+    if outcome(r, sc.load.max_tokens) != "succeeded":
+        return False
+    ttft, tpot = r.ttft(), r.tpot()
+    if sc.slo.ttft_s is not None and (ttft is None or ttft > sc.slo.ttft_s):
+        return False
+    return sc.slo.tpot_s is None or tpot is None or tpot <= sc.slo.tpot_s
+
+
+def slo_goodput(records: list[RequestRecord], sc: Scenario, seconds: float) -> dict[str, Any]:
+    """Of `records` (sent over `seconds`): how many, how many met the SLO, the share, per s."""
+    met = sum(1 for r in records if meets_slo(r, sc))
+    return {
+        "requests": len(records),
+        "met": met,
+        "share": met / len(records) if records else None,
+        "per_s": met / seconds if seconds > 0 else None,
+    }
+
+
+def _sent(records: list[RequestRecord], a: float, b: float, group: int | None = None) -> list:
+    return [r for r in records if a <= r.start < b and (group is None or r.group == group)]
+
+
+def slo_summary(sc: Scenario, records: list[RequestRecord]) -> dict[str, Any]:
+    """SLO goodput over the whole load, overall and per answering group."""
+    span = sc.load.duration_s
+    groups = sorted({r.group for r in records if r.group is not None and r.group >= 0})
+    return {
+        "ttft_s": sc.slo.ttft_s,
+        "tpot_s": sc.slo.tpot_s,
+        "overall": slo_goodput(records, sc, span),
+        "groups": {
+            str(g): slo_goodput([r for r in records if r.group == g], sc, span) for g in groups
+        },
+    }
+
+
+def share_after_ready(
+    records: list[RequestRecord], group: int, ready_t: float, until: float, groups: int, gl: Any
+) -> dict[str, Any]:
+    """The faulted group's share of the requests sent in each window after it was READY again
+    (`ready_t`, seconds since the load started) and when it first came within the tolerance."""
+    even = 1 / max(1, groups)
+    windows, rebalanced, share_then = [], None, None
+    end = ready_t + gl.share_window_s
+    while end <= until + 1e-9:
+        sent = [
+            r
+            for r in _sent(records, end - gl.share_window_s, end)
+            if r.group is not None and r.group >= 0
+        ]
+        share = sum(1 for r in sent if r.group == group) / len(sent) if sent else None
+        windows.append([round(end, 2), None if share is None else round(share, 3), len(sent)])
+        ok = share is not None and len(sent) >= SHARE_MIN_REQUESTS
+        if rebalanced is None and ok and abs(share - even) <= gl.share_tolerance:  # type: ignore[operator]
+            rebalanced, share_then = end - ready_t, share
+        end += SHARE_STEP_S
+    return {
+        "ready_at_s": round(ready_t, 3),
+        "even": even,
+        "rebalanced_s": None if rebalanced is None else round(rebalanced, 3),
+        "share": share_then,
+        "windows": windows,
+    }
+
+
 def _first_event(group: dict, state: str, after: float) -> float | None:
     times = [e["at"] for e in group.get("events", []) if e["state"] == state and e["at"] >= after]
     return min(times) if times else None
@@ -113,6 +193,7 @@ def analyse_faults(
         g: {
             "tokens_per_s": obs.rate(g, a, first_fault),
             "p99_tpot_s": p99(_tpots(records, g, a, first_fault, mt)),
+            "slo": slo_goodput(_sent(records, a, first_fault, g), sc, first_fault - a),
         }
         for g in ids
     }
@@ -153,6 +234,9 @@ def analyse_faults(
                         recovered = s.t
                         break
             rec["recovered_s"] = None if recovered is None else round(recovered - fr.at, 3)
+            if ready is not None:
+                ready_t = fr.at + (ready - fr.wall)
+                rec["share"] = share_after_ready(records, f.group, ready_t, nxt, len(ids), sc.goals)
         w_end = min(nxt, recovered if recovered is not None else nxt)
         rec["window_s"] = [round(fr.at, 3), round(w_end, 3)]
         surv = {}
@@ -161,11 +245,14 @@ def analyse_faults(
                 continue
             tps = obs.rate(h, fr.at, w_end)
             tp99 = p99(_tpots(records, h, fr.at, w_end, mt))
+            slo = slo_goodput(_sent(records, fr.at, w_end, h), sc, w_end - fr.at)
             surv[str(h)] = {
                 "tokens_per_s": tps,
                 "goodput_ratio": _ratio(tps, base[h]["tokens_per_s"]),
                 "p99_tpot_s": tp99,
                 "p99_tpot_ratio": _ratio(tp99, base[h]["p99_tpot_s"]),
+                "slo": slo,
+                "slo_goodput_ratio": _ratio(slo["per_s"], base[h]["slo"]["per_s"]),
             }
         rec["survivors"] = surv
         out.append(rec)
@@ -226,6 +313,8 @@ def server_counters(before: dict, after: dict, groups_before: list, groups_after
     rests = {g["id"]: g["restarts"] for g in groups_before}
     return {
         "migrations": delta("request_migrations_total"),
+        # the router's choices by reason: new, moved (waiting, to a group back READY), migrated
+        "router_picks": {r: delta("router_picks_total", reason=r) for r in PICK_REASONS},
         "retries": delta("request_retries_total"),
         "failed_after_retries": delta("requests_failed_after_retries_total"),
         "lost": delta("requests_lost_total"),
@@ -264,6 +353,7 @@ def build_report(
         "load": asdict(sc.load),
         "elapsed_s": round(elapsed_s, 3),
         "requests": request_summary(records, sc.load.max_tokens),
+        "slo": slo_summary(sc, records),
         "baseline": baseline,
         "faults": fault_rows,
         "server": server_counters(before, after, groups_before, groups_after),
@@ -321,6 +411,16 @@ def evaluate(sc: Scenario, report: dict[str, Any]) -> list[dict[str, Any]]:
                 "consistent", f">= {gl.consistent_min}", v, v is not None and v >= gl.consistent_min
             )
         )
+    if gl.slo_goodput_min is not None:
+        v = report["slo"]["overall"]["share"]
+        out.append(
+            _goal(
+                "SLO goodput",
+                f">= {gl.slo_goodput_min}",
+                v,
+                v is not None and v >= gl.slo_goodput_min,
+            )
+        )
     for action, limit, name in (
         ("sigkill", gl.detect_kill_max_s, "detect_kill_s"),
         ("sigstop", gl.detect_stall_max_s, "detect_stall_s"),
@@ -346,7 +446,27 @@ def evaluate(sc: Scenario, report: dict[str, Any]) -> list[dict[str, Any]]:
                     v is not None and v <= gl.recover_max_s,
                 )
             )
+        if gl.rebalance_max_s is not None:
+            v = (f.get("share") or {}).get("rebalanced_s")
+            out.append(
+                _goal(
+                    f"group {f['group']} even share {tag}",
+                    f"<= {gl.rebalance_max_s} s after READY",
+                    v,
+                    v is not None and v <= gl.rebalance_max_s,
+                )
+            )
         for h, s in f["survivors"].items():
+            if gl.survivor_slo_goodput_min is not None:
+                v = s["slo"]["share"]
+                out.append(
+                    _goal(
+                        f"group {h} SLO goodput {tag}",
+                        f">= {gl.survivor_slo_goodput_min}",
+                        v,
+                        v is not None and v >= gl.survivor_slo_goodput_min,
+                    )
+                )
             if gl.survivor_goodput_min is not None:
                 v = s["goodput_ratio"]
                 out.append(
@@ -431,13 +551,22 @@ def render(report: dict[str, Any]) -> str:
         f"({report['elapsed_s']:.0f} s)",
         f"requests: sent {req['sent']}, succeeded {req['succeeded']}, failed {req['failed']}, "
         f"lost {req['lost']}, consistent {_pct(req['consistent'])}; "
-        f"migrations {report['server']['migrations']:.0f}, retries {report['server']['retries']:.0f}",
+        f"migrations {report['server']['migrations']:.0f}, retries {report['server']['retries']:.0f}"
+        + f", moved while waiting {report['server'].get('router_picks', {}).get('moved', 0):.0f}",
         "baseline: "
         + ", ".join(
             f"group {g} {_num(b['tokens_per_s'])} tok/s p99 TPOT {_ms(b['p99_tpot_s'])}"
+            + (f" SLO {_slo(b['slo'])}" if "slo" in b else "")
             for g, b in report["baseline"].items()
         ),
     ]
+    if "slo" in report:
+        slo = report["slo"]
+        lines.append(
+            f"SLO (TTFT <= {_s(slo['ttft_s'])}, TPOT <= {_ms(slo['tpot_s'])}): "
+            f"overall {_slo(slo['overall'])}"
+            + "".join(f"; group {g} {_slo(v)}" for g, v in slo["groups"].items())
+        )
     for f in report["faults"]:
         where = f"group {f['group']}" + (f" rank {f['rank']}" if f["rank"] is not None else "")
         line = f"fault t={f['at_s']:.1f}s {f['action']} {where}: {'ok' if f['verified'] else 'NO EFFECT'}"
@@ -448,6 +577,15 @@ def render(report: dict[str, Any]) -> str:
             line += (
                 f"; group {h} goodput {_pct(s['goodput_ratio'])} "
                 f"p99 TPOT {_ms(s['p99_tpot_s'])} (x{_num(s['p99_tpot_ratio'], 2)})"
+            )
+            if "slo" in s:
+                line += f" SLO {_slo(s['slo'])} (x{_num(s['slo_goodput_ratio'], 2)} baseline)"
+        if f.get("share"):
+            sh = f["share"]
+            when = "not within the run" if sh["rebalanced_s"] is None else _s(sh["rebalanced_s"])
+            line += (
+                f"; group {f['group']} back to an even share of new requests "
+                f"({_pct(sh['share'])}) {when} after READY"
             )
         lines.append(line)
     for r in report["dispatch"]:
@@ -471,6 +609,10 @@ def render(report: dict[str, Any]) -> str:
             f"  {'ok  ' if g['ok'] else 'MISS'} {g['goal']}: {g['value']} (target {g['target']})"
         )
     return "\n".join(lines)
+
+
+def _slo(g: dict[str, Any]) -> str:
+    return f"{g['met']}/{g['requests']} met ({_pct(g['share'])}, {_num(g['per_s'], 2)}/s)"
 
 
 def _num(x: float | None, nd: int = 0) -> str:

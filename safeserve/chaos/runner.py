@@ -179,9 +179,13 @@ async def run(
     faults: list[FaultRecord] = []
     stop = asyncio.Event()
     t0 = time.monotonic()
+    offered = (
+        f"{sc.load.rate:g} requests/s (open loop)"
+        if sc.load.mode == "open"
+        else f"{sc.load.concurrency} streams"
+    )
     print(
-        f"[chaos] {sc.name}: {sc.load.concurrency} streams for {sc.load.duration_s:.0f} s, "
-        f"{len(sc.faults)} fault(s)",
+        f"[chaos] {sc.name}: {offered} for {sc.load.duration_s:.0f} s, {len(sc.faults)} fault(s)",
         file=progress,
     )
     poll = asyncio.create_task(obs.poll(t0, stop))

@@ -20,6 +20,19 @@ rank = 1
 lost_max = 0
 detect_kill_max_s = 2.0
 ```
+
+`[load].mode` is `"closed"` (the default: `concurrency` clients, each sending its next request
+when the last ends) or `"open"`: requests arrive as a Poisson process of `rate` requests/s
+(inter-arrival times drawn from `seed`) whatever the server's answers, so a group that lost its
+peer gets the whole rate and its goodput shows what it can carry.
+
+`[slo]` sets `ttft_s` (arrival to first token) and `tpot_s` (mean time per output token after
+the first); a request *meets the SLO* when it succeeded within both (an unset one always holds).
+The report counts them overall, per group (the `X-Safeserve-Group` of its answer) and per fault
+window; goals on them: `slo_goodput_min` (share of all requests), `survivor_slo_goodput_min`
+(share of the other groups' requests in a fault's window). `rebalance_max_s`: after a signal
+fault, the faulted group back READY must get within `share_tolerance` of an even share (1/groups)
+of the requests started in some `share_window_s` window that ends within this many seconds.
 """
 
 from __future__ import annotations
@@ -29,6 +42,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+LOAD_MODES = ("closed", "open")
 SIGNAL_ACTIONS = ("sigkill", "sigstop", "sigcont")
 ENGINE_ACTIONS = ("route_skew", "slow_rank", "clear")  # POST /admin/faults
 GROUP_ACTIONS = ("drain", "undrain", "restart")  # POST /admin/groups/{id}/{action}
@@ -53,7 +67,10 @@ class ServerSpec:
 
 @dataclass
 class LoadSpec:
-    concurrency: int = 8
+    mode: str = "closed"  # see LOAD_MODES
+    rate: float | None = None  # open: requests per second (Poisson arrivals)
+    seed: int = 0  # open: of the arrival times
+    concurrency: int = 8  # closed: clients
     prompt_tokens: int = 32
     max_tokens: int = 32
     duration_s: float = 30.0
@@ -61,6 +78,12 @@ class LoadSpec:
     ramp_s: float = 0.0  # client i starts at i/concurrency x ramp_s: no lock-step waves
     distinct_prompts: int = 8  # prompts cycle, so greedy outputs can be compared for consistency
     request_timeout_s: float = 300.0
+
+
+@dataclass
+class SloSpec:
+    ttft_s: float | None = None
+    tpot_s: float | None = None
 
 
 @dataclass
@@ -90,6 +113,11 @@ class Goals:
     # Within a group, the most any rank's peak memory grew during the run beyond the least any
     # grew: skew must not pile memory onto one rank (the receive side is preallocated).
     rank_memory_spread_max_gib: float | None = None
+    slo_goodput_min: float | None = None  # share of all requests that met the [slo]
+    survivor_slo_goodput_min: float | None = None  # of the other groups' requests, per fault
+    rebalance_max_s: float | None = None  # READY again -> an even share of new requests
+    share_window_s: float = 5.0
+    share_tolerance: float = 0.1  # absolute, around 1/groups
 
 
 @dataclass
@@ -101,6 +129,7 @@ class Scenario:
     load: LoadSpec = field(default_factory=LoadSpec)
     faults: list[Fault] = field(default_factory=list)
     goals: Goals = field(default_factory=Goals)
+    slo: SloSpec = field(default_factory=SloSpec)
 
 
 def _build(cls: type, raw: Any, where: str) -> Any:
@@ -138,7 +167,7 @@ def _typed(want: str, value: Any, where: str) -> Any:
 def parse(raw: dict[str, Any], path: Path | None = None) -> Scenario:
     where = str(path) if path else "scenario"
     raw = dict(raw)
-    allowed = {"name", "description", "server", "load", "faults", "goals"}
+    allowed = {"name", "description", "server", "load", "faults", "goals", "slo"}
     unknown = sorted(set(raw) - allowed)
     if unknown:
         raise ScenarioError(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(allowed)})")
@@ -152,17 +181,33 @@ def parse(raw: dict[str, Any], path: Path | None = None) -> Scenario:
             raise ScenarioError(f"{where}: [server].args must be a list of strings")
     load = _build(LoadSpec, raw.get("load", {}), f"{where}: [load]")
     goals = _build(Goals, raw.get("goals", {}), f"{where}: [goals]")
+    slo = _build(SloSpec, raw.get("slo", {}), f"{where}: [slo]")
     faults = [
         _build(Fault, f, f"{where}: [[faults]] #{i + 1}")
         for i, f in enumerate(raw.get("faults", []))
     ]
-    sc = Scenario(name, path, str(raw.get("description", "")), server, load, faults, goals)
+    sc = Scenario(name, path, str(raw.get("description", "")), server, load, faults, goals, slo)
     validate(sc, where)
     return sc
 
 
 def validate(sc: Scenario, where: str) -> None:
     ld = sc.load
+    if ld.mode not in LOAD_MODES:
+        raise ScenarioError(f"{where}: [load].mode must be one of {', '.join(LOAD_MODES)}")
+    if ld.mode == "open" and (ld.rate is None or ld.rate <= 0):
+        raise ScenarioError(f"{where}: [load].rate (requests/s) must be > 0 with mode = open")
+    if ld.mode == "closed" and ld.rate is not None:
+        raise ScenarioError(f"{where}: [load].rate is for mode = open (closed uses concurrency)")
+    for name in ("ttft_s", "tpot_s"):
+        v = getattr(sc.slo, name)
+        if v is not None and v <= 0:
+            raise ScenarioError(f"{where}: [slo].{name} must be > 0")
+    gl = sc.goals
+    if gl.share_window_s <= 0 or not 0 < gl.share_tolerance < 1:
+        raise ScenarioError(
+            f"{where}: [goals].share_window_s must be > 0 and share_tolerance in (0, 1)"
+        )
     for key in ("concurrency", "prompt_tokens", "max_tokens", "distinct_prompts"):
         if getattr(ld, key) < 1:
             raise ScenarioError(f"{where}: [load].{key} must be at least 1")

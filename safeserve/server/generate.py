@@ -6,6 +6,11 @@ token lost or repeated. A request that was in flight on a failed group is a susp
 once, onto a group holding no other suspect, and is quarantined if that group fails too
 (`safeserve.guards.quarantine`). An engine error in the request alone ends that request (500
 `internal_error`); its group is fine, so it is not retried.
+
+A request that is still waiting in its group (no output received, so no token generated and
+nothing sent to its client) may be *moved* once to a group that just became READY
+(`Generator.rebalance`): it is aborted in its group and submitted afresh to the other under a
+new engine-side id, so a late output of the old submission can never reach it.
 """
 
 from __future__ import annotations
@@ -40,6 +45,11 @@ class Delta:
     logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when asked
 
 
+# The finish reason of the marker a moved request's old queue gets: its reader goes on with the
+# new queue. It never leaves the frontend.
+MOVED = "moved"
+
+
 class _Refailed(Exception):
     """The continuation's group failed too before it produced anything."""
 
@@ -68,13 +78,54 @@ class Generation:
         self.base_outputs = 0  # outputs counted by earlier incarnations (stop tokens included)
         self.num_output_tokens = 0
         self.attempts = 1
+        self.moves = 0  # times moved while waiting (at most once)
         self.finished = False
         self.arrival = time.monotonic()
         self.first_token_at: float | None = None
         self.supervisor: Supervisor = gen.router.pick()  # NoGroupReady -> 503 at the edge
-        self.queue = self.supervisor.client.submit(rid, prompt_ids, params)  # type: ignore[union-attr]
+        self.queue = self.supervisor.client.submit(self.engine_rid, prompt_ids, params)  # type: ignore[union-attr]
         self._pending: RequestOutput | None = None
         gen.metrics.prompt_tokens.inc(len(prompt_ids))
+
+    @property
+    def engine_rid(self) -> str:
+        """The id its group knows it by: a moved request is submitted under a new one."""
+        return self.rid if self.moves == 0 else f"{self.rid}.m{self.moves}"
+
+    @property
+    def movable(self) -> bool:
+        """Still waiting where it was first placed: nothing received from its group (so no
+        token generated and nothing sent to its client), never migrated or moved."""
+        client = self.supervisor.client
+        return (
+            not self.finished
+            and self.attempts == 1
+            and self.moves == 0
+            and not self.produced
+            and self.first_token_at is None
+            and self._pending is None
+            and self.queue.empty()
+            and client is not None
+            and client.queues.get(self.engine_rid) is self.queue
+        )
+
+    def move_to(self, sup: Supervisor) -> None:
+        """Aborts the request in its group and submits it afresh to `sup` (callers check
+        `movable` first, with no await in between)."""
+        old_client, old_queue, old_group = self.supervisor.client, self.queue, self.supervisor.group
+        assert old_client is not None and sup.client is not None
+        old_client.abort(self.engine_rid)
+        self.moves += 1
+        self.supervisor = sup
+        self.queue = sup.client.submit(self.engine_rid, self.prompt_ids, self.params)
+        old_queue.put_nowait(RequestOutput(self.rid, [], MOVED))  # wakes its reader
+        self.owner.router.count(sup, "moved")
+        logger.info(
+            "request %s: still waiting on group %d, moved to group %d",
+            self.rid,
+            old_group,
+            sup.group,
+        )
 
     async def _next(self) -> RequestOutput:
         if self._pending is not None:
@@ -87,6 +138,8 @@ class Generation:
         try:
             while not self.finished:
                 out = await self._next()
+                if out.finish_reason == MOVED:
+                    continue
                 if out.finish_reason == "group_failed":
                     await self._migrate()
                     continue
@@ -165,10 +218,10 @@ class Generation:
                     gen.metrics.retries.inc()
                     async with gen.router.retry_slot(args.migration_wait_s):
                         sup = await gen.router.wait_pick(
-                            args.migration_wait_s, exclude=failed_group
+                            args.migration_wait_s, exclude=failed_group, reason="migrated"
                         )
                         self.supervisor = sup
-                        self.queue = sup.client.submit(self.rid, prompt, params)  # type: ignore[union-attr]
+                        self.queue = sup.client.submit(self.engine_rid, prompt, params)  # type: ignore[union-attr]
                         gen.metrics.migrations.inc()
                         logger.info(
                             "request %s: group %d failed after %d tokens; continuing on group %d",
@@ -195,7 +248,10 @@ class Generation:
         gen.metrics.retries.inc()
         try:
             sup = await gen.router.wait_pick(
-                args.migration_wait_s, exclude=failed_group, avoid=gen.qod.suspect_groups
+                args.migration_wait_s,
+                exclude=failed_group,
+                avoid=gen.qod.suspect_groups,
+                reason="migrated",
             )
         except NoGroupReady:
             self._give_up(
@@ -203,7 +259,7 @@ class Generation:
             )
         gen.qod.place(self.rid, sup.group)  # no await since the pick: no other suspect got it
         self.supervisor = sup
-        self.queue = sup.client.submit(self.rid, prompt, params)  # type: ignore[union-attr]
+        self.queue = sup.client.submit(self.engine_rid, prompt, params)  # type: ignore[union-attr]
         gen.metrics.migrations.inc()
         logger.warning(
             "request %s (fingerprint %s) was in flight on group %d when it failed (%d tokens "
@@ -253,7 +309,7 @@ class Generation:
     def _client_abort(self) -> None:
         client = self.supervisor.client
         if client is not None:
-            client.abort(self.rid)
+            client.abort(self.engine_rid)
 
     def close(self) -> None:
         """Called when the HTTP response ends: an unfinished request is cancelled in its group."""
@@ -261,9 +317,9 @@ class Generation:
         if not self.finished:
             self.finished = True
             if client is not None:
-                client.abort(self.rid)
+                client.abort(self.engine_rid)
         elif client is not None:
-            client.release(self.rid)
+            client.release(self.engine_rid)
         self.owner.active.pop(self.rid, None)
         self.owner.router.active = len(self.owner.active)
         if self.owner.qod.clear(self.rid):
@@ -289,6 +345,7 @@ class Generator:
         self.qod = QueryOfDeath(args.quarantine_s)
         metrics.suspects.set_function(lambda: len(self.qod.suspects))
         metrics.quarantine_fingerprints.set_function(lambda: len(self.qod.held()))
+        router.on_ready.append(self.rebalance)
 
     def start(
         self, rid: str, prompt_ids: list[int], params: SamplingParams, stop: list[str]
@@ -297,6 +354,34 @@ class Generator:
         self.active[rid] = gen
         self.router.active = len(self.active)
         return gen
+
+    def rebalance(self, target: Supervisor) -> int:
+        """`target` just became READY: moves requests still waiting on other groups to it,
+        newest first, while the source holds more waiting requests (queued, or sent since its
+        last report: `router.score`) than it has moved, and keeps at least as many occupied
+        slots as `target` after the move. Returns how many moved."""
+        router = self.router
+        scores = {s.group: router.score(s) for s in router.ready()}
+        if target.group not in scores or target.client is None:
+            return 0
+        occupied = {g: sc.occupied for g, sc in scores.items()}
+        waiting = {g: sc.waiting for g, sc in scores.items()}
+        moved = 0
+        newest_first = sorted(self.active.values(), key=lambda g: g.arrival, reverse=True)
+        for gen in newest_first:
+            src = gen.supervisor.group
+            if src == target.group or src not in scores or not gen.movable:
+                continue
+            if waiting[src] <= 0 or occupied[src] - occupied[target.group] < 2:
+                continue
+            gen.move_to(target)
+            occupied[src] -= 1
+            waiting[src] -= 1
+            occupied[target.group] += 1
+            moved += 1
+        if moved:
+            logger.info("group %d READY: moved %d waiting request(s) to it", target.group, moved)
+        return moved
 
     def admit(self, prompt_ids: list[int], params: SamplingParams) -> str:
         """The request's fingerprint; 422 `request_quarantined` (with Retry-After) if an

@@ -254,6 +254,14 @@ METRICS: tuple[MetricSpec, ...] = (
     ),
     MetricSpec("retries", Counter, "request_retries", "Attempts beyond a request's first."),
     MetricSpec(
+        "router_picks",
+        Counter,
+        "router_picks",
+        "Groups the router chose for a request: new (its first group), moved (still waiting, "
+        "moved to a group that just became READY), migrated (continued after its group failed).",
+        ("group", "reason"),
+    ),
+    MetricSpec(
         "lost",
         Counter,
         "requests_lost",

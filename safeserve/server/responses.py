@@ -1,6 +1,12 @@
 """A generation as an HTTP response: a server-sent event stream (completion or chat chunks), or,
 not streaming, one body gathered while watching for the client going away.
 
+Both carry `X-Safeserve-Group`: a collected answer names the group that finished the request; a
+stream waits for its first delta before it sends its headers (nothing, not even the chat role
+chunk, goes out before it), so it names the group that produced the first token, where the
+request stays unless that group fails (its continuation's group is not in the headers, which are
+sent by then). A request that is still waiting may move to another group until that first token.
+
 `AnswerShape` says what a choice carries besides its text: generated token ids, logprobs and,
 for completions, the echoed prompt. The final status of a stream (an error event's, 499 when the
 client went away) is left in the request's state for the request counter (request_count.py).
@@ -48,8 +54,25 @@ class AnswerShape:
 async def stream_response(
     request: Request, state: ServerState, gen: Generation, shape: AnswerShape
 ) -> Response:
+    source = gen.deltas()
+    got = asyncio.ensure_future(anext(source, None))
+    try:
+        here = await _until_done_or_gone(request, got)
+    except asyncio.CancelledError:  # the server is stopping
+        got.cancel()
+        gen.close()
+        raise
+    if not here:
+        got.cancel()
+        await asyncio.wait({got})  # the generator ends with the cancellation
+        await source.aclose()
+        gen.close()
+        return Response(status_code=CLIENT_CLOSED)
+    deltas = _replay(got, source)
     chunks = (
-        _chat_chunks(gen, shape, state) if shape.chat else _completion_chunks(gen, shape, state)
+        _chat_chunks(deltas, gen, shape, state)
+        if shape.chat
+        else _completion_chunks(deltas, gen, shape, state)
     )
 
     async def body() -> AsyncIterator[bytes]:
@@ -79,6 +102,25 @@ async def stream_response(
     return StreamingResponse(body(), media_type="text/event-stream", headers=headers)
 
 
+async def _until_done_or_gone(request: Request, task: asyncio.Future) -> bool:
+    """Waits for `task`; False if the client went away first."""
+    while not task.done():
+        await asyncio.wait({task}, timeout=0.25)
+        if not task.done() and await request.is_disconnected():
+            return False
+    return True
+
+
+async def _replay(first: asyncio.Future, rest: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
+    """The first delta (or its exception, raised here inside the stream), then the rest."""
+    delta = first.result()
+    if delta is None:
+        return
+    yield delta
+    async for delta in rest:
+        yield delta
+
+
 def _usage(gen: Generation, shape: AnswerShape) -> dict:
     return P.usage(gen.num_prompt_tokens, 0 if shape.drop_output else gen.num_output_tokens)
 
@@ -90,11 +132,11 @@ def _visible(delta: Delta, shape: AnswerShape) -> Delta:
 
 
 async def _completion_chunks(
-    gen: Generation, shape: AnswerShape, state: ServerState
+    deltas: AsyncIterator[Delta], gen: Generation, shape: AnswerShape, state: ServerState
 ) -> AsyncIterator[dict]:
     lp = CompletionLogprobs(state.tokenizer, shape.top_logprobs or 0)
     first = True
-    async for raw in gen.deltas():
+    async for raw in deltas:
         delta = _visible(raw, shape)
         if first and shape.echo_text is not None:  # the prompt's logprobs come with the first
             logprobs = _echo_logprobs(lp, gen, shape)
@@ -116,10 +158,10 @@ async def _completion_chunks(
 
 
 async def _chat_chunks(
-    gen: Generation, shape: AnswerShape, state: ServerState
+    deltas: AsyncIterator[Delta], gen: Generation, shape: AnswerShape, state: ServerState
 ) -> AsyncIterator[dict]:
     yield P.chat_chunk(gen.rid, gen.model, {"role": "assistant", "content": ""}, None)
-    async for delta in gen.deltas():
+    async for delta in deltas:
         ids = delta.token_ids if shape.return_ids else None
         use = _usage(gen, shape) if delta.finish_reason and not shape.usage_chunk else None
         if delta.text or delta.finish_reason or delta.token_ids:

@@ -33,7 +33,7 @@ def lifespan(state: ServerState) -> Callable[[FastAPI], AbstractAsyncContextMana
 
     @contextlib.asynccontextmanager
     async def run(app: FastAPI) -> AsyncIterator[None]:
-        router = GroupRouter([])
+        router = GroupRouter([], state.metrics)
         state.router = router
         state.supervisors = [
             Supervisor(args, g, state.metrics, on_change=router.notify)

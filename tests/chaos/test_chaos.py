@@ -4,6 +4,7 @@ really happened (a real server, real signals), and a fault that did nothing fail
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,9 +12,16 @@ from pathlib import Path
 import pytest
 from serving import two_groups
 
-from safeserve.chaos.load import RequestRecord
+from safeserve.chaos.load import Load, RequestRecord
 from safeserve.chaos.observer import Observer, Sample, parse_metrics
-from safeserve.chaos.report import outcome, p99, request_summary
+from safeserve.chaos.report import (
+    meets_slo,
+    outcome,
+    p99,
+    request_summary,
+    share_after_ready,
+    slo_goodput,
+)
 from safeserve.chaos.scenario import ScenarioError, load_scenario, parse
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,10 +59,18 @@ def _chaos(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
         ({"goals": {"recover_throughput": 1.5}}, "recover_throughput"),
         ({"faults": [{"at_s": 5, "action": "request_raise", "repeat": 3}]}, "request_exit only"),
         ({"faults": [{"at_s": 5, "action": "request_exit", "repeat": -1}]}, "repeat is a count"),
+        ({"load": {"mode": "poisson"}}, "[load].mode must be one of closed, open"),
+        ({"load": {"mode": "open"}}, "[load].rate (requests/s) must be > 0 with mode = open"),
+        ({"load": {"mode": "open", "rate": 0}}, "must be > 0 with mode = open"),
+        ({"load": {"rate": 2.0}}, "[load].rate is for mode = open"),
+        ({"slo": {"ttft_s": 0}}, "[slo].ttft_s must be > 0"),
+        ({"slo": {"p99_s": 1.0}}, "unknown key 'p99_s'"),
+        ({"slo": {"tpot_s": "fast"}}, "expected float"),
+        ({"goals": {"share_tolerance": 1.5}}, "share_tolerance in (0, 1)"),
     ],
 )
 def test_bad_scenarios_are_refused_with_the_field_named(raw: dict, message: str) -> None:
-    with pytest.raises(ScenarioError, match=message.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(ScenarioError, match=re.escape(message)):
         parse({"name": "x", "load": {"duration_s": 30, **raw.pop("load", {})}, **raw})
 
 
@@ -111,6 +127,69 @@ def test_outcomes_separate_told_failures_from_silent_losses() -> None:
     assert good.tpot() == pytest.approx(0.1)
     assert p99([float(x) for x in range(1, 101)]) == 99.0
     assert p99([]) is None
+
+
+def test_open_loop_arrivals_are_a_seeded_poisson_process() -> None:
+    def times(seed: int, rate: float = 10.0) -> list[float]:
+        spec = parse(
+            {"name": "x", "load": {"mode": "open", "rate": rate, "seed": seed, "duration_s": 100}}
+        ).load
+        return Load("http://x", spec, "tiny").arrival_times()
+
+    a = times(1)
+    assert a == times(1) and a != times(2)  # the seed decides, nothing else
+    assert a == sorted(a) and 0 < a[0] and a[-1] < 100
+    assert 900 <= len(a) <= 1100  # 10/s over 100 s
+    gaps = [y - x for x, y in zip(a, a[1:], strict=False)]
+    mean = sum(gaps) / len(gaps)
+    assert 0.09 <= mean <= 0.11
+    # exponential gaps: about 1/e of them are longer than the mean
+    assert 0.3 <= sum(1 for g in gaps if g > mean) / len(gaps) <= 0.43
+    assert len(times(1, rate=2.0)) < len(a) / 3
+
+
+def _timed(i: int, start: float, ttft: float, tpot: float, group: int = 0, n: int = 4):  # type: ignore[no-untyped-def]
+    r = _rec(i, list(range(n)), group=group, start=start)
+    r.times = [start + ttft + k * tpot for k in range(n)]
+    return r
+
+
+def test_slo_goodput_counts_succeeded_requests_within_both_bounds() -> None:
+    sc = parse({"name": "x", "load": {"max_tokens": 4}, "slo": {"ttft_s": 1.0, "tpot_s": 0.1}})
+    fast = _timed(0, 0.0, 0.5, 0.05)
+    slow_start = _timed(1, 0.0, 1.5, 0.05)
+    slow_tokens = _timed(2, 0.0, 0.5, 0.2)
+    failed = _timed(3, 0.0, 0.5, 0.05)
+    failed.error = "HTTP 503"
+    assert [meets_slo(r, sc) for r in (fast, slow_start, slow_tokens, failed)] == [
+        True,
+        False,
+        False,
+        False,
+    ]
+    got = slo_goodput([fast, slow_start, slow_tokens, failed], sc, 2.0)
+    assert got == {"requests": 4, "met": 1, "share": 0.25, "per_s": 0.5}
+    assert slo_goodput([], sc, 2.0)["share"] is None
+    unbounded = parse({"name": "x", "load": {"max_tokens": 4}})
+    assert meets_slo(slow_tokens, unbounded) and not meets_slo(failed, unbounded)
+
+
+def test_share_after_ready_finds_the_first_even_window() -> None:
+    gl = parse({"name": "x"}).goals  # 5 s windows, 0.1 tolerance
+    # READY at t=10: for 4 s every new request goes to group 1, then they alternate
+    recs = []
+    for k in range(60):
+        t = 10.0 + 0.25 * k
+        g = 1 if t < 14.0 else k % 2
+        recs.append(_timed(k, t, 0.1, 0.01, group=g))
+    got = share_after_ready(recs, 0, 10.0, 25.0, 2, gl)
+    assert got["even"] == 0.5 and got["ready_at_s"] == 10.0
+    # the window (t-5, t] holds 20 requests; those before 14 s are group 1's
+    assert got["windows"][0] == [15.0, 0.1, 20]
+    assert got["rebalanced_s"] is not None and 0.4 <= got["share"] <= 0.6
+    first_ok = [w for w in got["windows"] if abs(w[1] - 0.5) <= 0.1][0]
+    assert got["rebalanced_s"] == pytest.approx(first_ok[0] - 10.0)
+    assert share_after_ready(recs, 0, 10.0, 12.0, 2, gl)["rebalanced_s"] is None  # no window
 
 
 def test_observer_rates_come_from_the_per_group_counter() -> None:
@@ -250,3 +329,33 @@ def test_query_of_death_scenario_quarantines_and_loses_nothing(tmp_path: Path) -
     assert 1 <= failures <= 2
     req = rep["requests"]
     assert req["sent"] >= 16 and req["succeeded"] == req["sent"] and req["consistent"] == 1.0
+
+
+def test_open_loop_kill_survivor_goodput_and_recovered_share(tmp_path: Path) -> None:
+    """The shipped open-loop scenario (its own server, two one-rank groups): a Poisson load,
+    group 0's rank SIGKILLed. Nothing is lost or failed and every output is exact (moved and
+    migrated requests included); the survivor's SLO goodput in the fault's window is reported,
+    per group and overall; and once group 0 is READY again it answers 40-60 % of the requests
+    sent in a 5 s window that ends within 30 s."""
+    out = tmp_path / "open.json"
+    r = _chaos("run", "chaos/open-loop-kill.toml", "--json", str(out), timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:] + r.stdout
+    rep = json.loads(out.read_text())
+    assert rep["load"]["mode"] == "open" and rep["load"]["rate"] > 0
+    req = rep["requests"]
+    assert req["sent"] >= 60 and req["succeeded"] == req["sent"]
+    assert req["lost"] == req["failed"] == 0 and req["consistent"] == 1.0
+    assert rep["server"]["lost"] == 0 and rep["server"]["group_failures"] == {"0": 1, "1": 0}
+    (f,) = rep["faults"]
+    assert f["verified"] and f["verdict"] == "dead" and f["ready_s"] is not None
+    survivor = f["survivors"]["1"]["slo"]
+    assert survivor["requests"] >= 1 and 0 <= survivor["met"] <= survivor["requests"]
+    assert survivor["per_s"] is not None and "slo_goodput_ratio" in f["survivors"]["1"]
+    slo = rep["slo"]
+    assert (slo["ttft_s"], slo["tpot_s"]) == (2.0, 0.25)
+    assert sum(g["requests"] for g in slo["groups"].values()) == req["sent"]
+    assert slo["overall"]["requests"] == req["sent"]
+    share = f["share"]
+    assert share["rebalanced_s"] is not None and share["rebalanced_s"] <= 30.0
+    assert 0.4 <= share["share"] <= 0.6
+    assert "SLO (TTFT <= 2.00 s" in r.stdout and "back to an even share" in r.stdout

@@ -176,6 +176,33 @@ def test_metrics_exposed(server: Server) -> None:
     assert _metric(server, "safeserve:rank_heartbeat_age_seconds") < 5
 
 
+def test_every_answer_names_its_group_streamed_or_not(server: Server) -> None:
+    """`X-Safeserve-Group` on completions and chat, streamed and not (one group here: 0), and
+    each placement counted in router_picks_total."""
+    picks = 'safeserve:router_picks_total{group="0",reason="new"}'
+    before = _metric(server, picks)
+    client = _client(server)
+    kw = {"model": MODEL, "max_tokens": 4, "temperature": 0}
+    raw = client.completions.with_raw_response.create(prompt="which group", **kw)
+    assert raw.headers["x-safeserve-group"] == "0" and raw.parse().choices[0].text is not None
+    raw = client.chat.completions.with_raw_response.create(messages=CHAT_MESSAGES, **kw)
+    assert raw.headers["x-safeserve-group"] == "0"
+    with client.completions.with_streaming_response.create(
+        prompt="which group", stream=True, **kw
+    ) as r:
+        assert r.headers["x-safeserve-group"] == "0"
+        assert sum(1 for line in r.iter_lines() if line.startswith("data: ")) >= 2
+    with client.chat.completions.with_streaming_response.create(
+        messages=CHAT_MESSAGES, stream=True, **kw
+    ) as r:
+        assert r.headers["x-safeserve-group"] == "0"
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]"
+        assert json.loads(lines[0][6:])["choices"][0]["delta"]["role"] == "assistant"
+    assert _metric(server, picks) == before + 4
+    assert _metric(server, "safeserve:router_picks_total") == _metric(server, picks)
+
+
 def test_disconnect_mid_stream_frees_kv_blocks(server: Server) -> None:
     deadline = time.monotonic() + 10
     while _metric(server, "safeserve:kv_blocks_used") != 0 and time.monotonic() < deadline:

@@ -22,7 +22,7 @@ from serving import Server, metric, oncall, sse_chunk, start_server, stop_server
 
 from safeserve.config import ServerArgs
 from safeserve.guards.quarantine import QueryOfDeath, fingerprint
-from safeserve.messages import RequestOutput, SamplingParams
+from safeserve.messages import EngineStats, RequestOutput, SamplingParams
 from safeserve.server.errors import APIError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -89,6 +89,7 @@ class _Client:
     def __init__(self) -> None:
         self.queues: dict[str, asyncio.Queue] = {}
         self.submitted: list[tuple[str, list[int]]] = []
+        self.stats = EngineStats()
 
     def submit(self, rid: str, prompt: list[int], params: SamplingParams) -> asyncio.Queue:
         self.queues[rid] = q = asyncio.Queue()
@@ -107,6 +108,7 @@ class _Client:
 class _Group:
     def __init__(self, group: int) -> None:
         self.group, self.up, self.client = group, True, _Client()
+        self.args = ServerArgs(num_groups=2)
 
     @property
     def ready(self) -> bool:
