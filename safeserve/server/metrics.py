@@ -258,7 +258,8 @@ METRICS: tuple[MetricSpec, ...] = (
         Counter,
         "router_picks",
         "Groups the router chose for a request: new (its first group), moved (still waiting, "
-        "moved to a group that just became READY), migrated (continued after its group failed).",
+        "moved to a group that just became READY), migrated (continued after its group failed), "
+        "canary (GET /health/generate).",
         ("group", "reason"),
     ),
     MetricSpec(

@@ -129,7 +129,7 @@ def _canary_group(state: ServerState, raw: str | None) -> Supervisor:
         return ready[int(raw)]
     if not ready or state.router is None:
         raise unavailable("no group is READY", retry_after=5.0)
-    return state.router.pick()
+    return state.router.pick(reason="canary")
 
 
 def _group_states(state: ServerState) -> dict[str, str]:
