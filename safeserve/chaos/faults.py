@@ -94,6 +94,8 @@ class Injector:
                     body = {"kind": "route_skew", "expert": fault.expert}
                 elif fault.action == "slow_rank":
                     body.update(rank=fault.rank, delay_s=fault.delay_s)
+                elif fault.action == "corrupt":
+                    body.update(rank=fault.rank)
                 rec = FaultRecord(fault, at, time.time())
                 r = await client.post(
                     self.admin_url + "/admin/faults", json=body, headers=self.headers

@@ -41,7 +41,7 @@ from typing import Any
 from safeserve.chaos.faults import FaultRecord
 from safeserve.chaos.load import RequestRecord
 from safeserve.chaos.observer import Observer, metric_total
-from safeserve.chaos.scenario import EXPECTED_VERDICT, SIGNAL_ACTIONS, Scenario
+from safeserve.chaos.scenario import EXPECTED_VERDICT, FENCING_FAULTS, Scenario
 from safeserve.guards.watchdog import VERDICT_KINDS
 
 PICK_REASONS = ("new", "moved", "migrated")  # safeserve:router_picks_total's reasons
@@ -218,7 +218,7 @@ def analyse_faults(
             rec["verdict"] = want if vs else None
             rec["detect_s"] = round(min(v["at"] for v in vs) - fr.wall, 3) if vs else None
         recovered = None
-        if f.action in SIGNAL_ACTIONS and f.action != "sigcont" and g is not None:
+        if f.action in FENCING_FAULTS and g is not None:
             failed = _first_event(g, "FAILED", fr.wall)
             ready = _first_event(g, "READY", failed) if failed is not None else None
             rec["failed_s"] = None if failed is None else round(failed - fr.wall, 3)
@@ -424,6 +424,7 @@ def evaluate(sc: Scenario, report: dict[str, Any]) -> list[dict[str, Any]]:
     for action, limit, name in (
         ("sigkill", gl.detect_kill_max_s, "detect_kill_s"),
         ("sigstop", gl.detect_stall_max_s, "detect_stall_s"),
+        ("corrupt", gl.detect_corrupt_max_s, "detect_corrupt_s"),
     ):
         if limit is None:
             continue
@@ -433,7 +434,7 @@ def evaluate(sc: Scenario, report: dict[str, Any]) -> list[dict[str, Any]]:
                 _goal(name, f"<= {limit}", v, f["verified"] and v is not None and v <= limit)
             )
     for f in faults:
-        if f["action"] not in ("sigkill", "sigstop"):
+        if f["action"] not in FENCING_FAULTS:
             continue
         tag = f"{f['action']}@{f['scheduled_s']:g}s"
         if gl.recover_max_s is not None:

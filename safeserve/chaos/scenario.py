@@ -44,15 +44,22 @@ from typing import Any
 
 LOAD_MODES = ("closed", "open")
 SIGNAL_ACTIONS = ("sigkill", "sigstop", "sigcont")
-ENGINE_ACTIONS = ("route_skew", "slow_rank", "clear")  # POST /admin/faults
+ENGINE_ACTIONS = ("route_skew", "slow_rank", "corrupt", "clear")  # POST /admin/faults
 GROUP_ACTIONS = ("drain", "undrain", "restart")  # POST /admin/groups/{id}/{action}
 # A completion that carries its own fault (`safeserve_fault`; needs --enable-fault-injection):
 # "raise" must fail alone (500 internal_error), "exit" must end quarantined (422
 # request_quarantined), and `repeat` identical requests after it must each be refused (422).
 REQUEST_ACTIONS = {"request_raise": "raise", "request_exit": "exit"}
 FAULT_ACTIONS = SIGNAL_ACTIONS + ENGINE_ACTIONS + GROUP_ACTIONS + tuple(REQUEST_ACTIONS)
+# Faults whose group is fenced and restarts: the report times its failure, READY and recovery.
+FENCING_FAULTS = ("sigkill", "sigstop", "corrupt")
 # Which watchdog verdict a fault must draw (a fault that draws none had no visible effect).
-EXPECTED_VERDICT = {"sigkill": "dead", "sigstop": "stalled", "slow_rank": "slow"}
+EXPECTED_VERDICT = {
+    "sigkill": "dead",
+    "sigstop": "stalled",
+    "slow_rank": "slow",
+    "corrupt": "corrupt",  # the canary's (needs --canary-interval-s)
+}
 
 
 class ScenarioError(ValueError):
@@ -104,6 +111,7 @@ class Goals:
     consistent_min: float | None = None  # share of completions equal to their prompt's usual one
     detect_kill_max_s: float | None = None
     detect_stall_max_s: float | None = None
+    detect_corrupt_max_s: float | None = None  # a `corrupt` fault to the canary's verdict
     recover_max_s: float | None = None  # faulted group back at `recover_throughput` of baseline
     recover_throughput: float = 0.95
     survivor_goodput_min: float | None = None  # other groups' tokens/s during a fault ÷ baseline
@@ -225,7 +233,7 @@ def validate(sc: Scenario, where: str) -> None:
         if f.at_s < last:
             raise ScenarioError(f"{at}: faults must be listed in time order")
         last = f.at_s
-        if f.action in SIGNAL_ACTIONS + ("slow_rank",) and f.rank is None:
+        if f.action in SIGNAL_ACTIONS + ("slow_rank", "corrupt") and f.rank is None:
             raise ScenarioError(f"{at}: {f.action} needs rank")
         if f.action == "route_skew" and f.expert is None:
             raise ScenarioError(f"{at}: route_skew needs expert")

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from safeserve.messages import SamplingParams, TokenLogprob
 
 PROMPT_LEN = 8
-MAX_TOKENS = 8
+MAX_TOKENS = 4
 # A healthy device moves a token's log-probability by far less than this (bfloat16 batch effects
 # are around 1e-2 nats); corrupted weights move it by whole nats.
 LOGPROB_TOLERANCE_NATS = 0.5

@@ -25,6 +25,7 @@ from serving import (
     wait_all_ready,
 )
 
+from safeserve.guards.canary import MAX_TOKENS as CANARY_TOKENS
 from safeserve.guards.canary import CanaryAnswer, compare
 from safeserve.messages import TokenLogprob
 
@@ -77,7 +78,7 @@ def test_the_canary_fences_a_group_that_computes_wrong_results(tmp_path) -> None
         wait_all_ready(s)
         r = httpx.get(s.url + "/health/generate?group=1", timeout=60)
         assert r.status_code == 200 and r.json()["group"] == 1, r.text
-        assert len(r.json()["tokens"]) == 8
+        assert len(r.json()["tokens"]) == CANARY_TOKENS
         assert httpx.get(s.url + "/health/generate?group=5").status_code == 400
         want = [_complete(s, p) for p in PROMPTS]
         streams: dict[int, tuple[list[int], str | None]] = {}
