@@ -9,6 +9,9 @@ import pytest
 
 from safeserve.config import ConfigError, ServerArgs
 
+# a DeepSeek-V3-family config (one latent per token in the KV cache)
+MLA_CONFIG = Path(__file__).resolve().parents[1] / "kernels" / "configs" / "moonlight-16b-a3b"
+
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
@@ -59,6 +62,11 @@ def test_help_lists_grouped_flags() -> None:
             "cannot be split evenly",
         ),
         (["--ep-num-redundant-experts", "3"], "more than the model's 8 experts"),
+        (["--kv-cache-dtype", "int8"], "invalid choice"),
+        (
+            ["--model", str(MLA_CONFIG), "--load-format", "dummy"] + ["--kv-cache-dtype", "fp8"],
+            "--kv-cache-dtype fp8_e4m3: deepseek_v3 keeps a latent (MLA) cache",
+        ),
     ],
 )
 def test_bad_flags_exit_non_zero_with_one_line(args: list[str], message: str) -> None:
@@ -71,6 +79,9 @@ def test_bad_flags_exit_non_zero_with_one_line(args: list[str], message: str) ->
 def test_server_args_checks() -> None:
     with pytest.raises(ConfigError):
         ServerArgs(block_size=0)
+    with pytest.raises(ConfigError, match="--kv-cache-dtype must be one of auto, fp8_e4m3, fp8"):
+        ServerArgs(kv_cache_dtype="fp8_e5m2")
+    assert ServerArgs(kv_cache_dtype="fp8").kv_cache_dtype == "fp8_e4m3"  # plan's spelling
     assert ServerArgs(chunked_prefill_size=4096, max_num_batched_tokens=512).prefill_chunk == 512
     assert ServerArgs(model="tiny", served_model_name="x").model_name == "x"
 

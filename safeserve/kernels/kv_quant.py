@@ -52,14 +52,20 @@ if HAS_TRITON:
     @triton.jit
     def store_value(x, ptr):
         """x converted to the element type of the cache pointer `ptr` (quantized for FP8)."""
+        # one return, after the branch: the compiler checks every return of a function against
+        # the others, even one a constexpr condition leaves out
         if ptr.dtype.element_ty == tl.float8e4nv:
-            return _round_e4m3(x.to(tl.float32)).to(tl.float8e4nv)
-        return x.to(ptr.dtype.element_ty)
+            y = _round_e4m3(x.to(tl.float32)).to(tl.float8e4nv)
+        else:
+            y = x.to(ptr.dtype.element_ty)
+        return y
 
     @triton.jit
     def load_value(x, like):
         """A loaded cache tile x in the dtype of `like` (the query) where the cache is FP8 (its
         scale is 1: the dequantized value is the value); else x as loaded."""
         if x.dtype == tl.float8e4nv:
-            return x.to(like.dtype)
-        return x
+            y = x.to(like.dtype)
+        else:
+            y = x
+        return y

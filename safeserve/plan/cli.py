@@ -91,8 +91,8 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
         "--kv-cache-dtype",
         default="auto",
         choices=list(KV_CACHE_DTYPES),
-        help="'auto': the model's dtype; 'fp8': one byte per element. Bytes only: serve does "
-        "not run an FP8 KV cache yet.",
+        help="'auto': the model's dtype; 'fp8': one byte per element, as serve's "
+        "--kv-cache-dtype fp8 (float8_e4m3fn) stores it.",
     )
     g.add_argument("-o", "--output", default="table", choices=("table", "json"))
     g.add_argument(

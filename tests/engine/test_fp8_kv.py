@@ -8,6 +8,7 @@ compute: logits within float noise, the same greedy tokens).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -88,20 +89,26 @@ def test_fp8_cache_logits_against_float32_and_rounded_references(
     torch.testing.assert_close(fp8, rounded, atol=FP8_VS_FAKE_QUANT_ATOL, rtol=0)
 
 
-def test_fp8_engine_greedy_equals_rounded_transformers(checkpoint: Path, fake_quant_hf) -> None:
+def test_fp8_engine_greedy_equals_rounded_transformers(
+    checkpoint: Path, fake_quant_hf, caplog: pytest.LogCaptureFixture
+) -> None:
     """The engine (chunked prefill, batched decode, block size 4) with an FP8 cache generates
-    what transformers rounding K and V the same way generates, token for token."""
-    engine = Engine(
-        ServerArgs(
-            model=str(checkpoint),
-            kv_cache_dtype="fp8_e4m3",
-            block_size=4,
-            max_model_len=48,
-            chunked_prefill_size=6,
-            max_num_batched_tokens=16,
+    what transformers rounding K and V the same way generates, token for token; its start-up
+    line names the cache dtype."""
+    with caplog.at_level(logging.INFO, logger="safeserve.engine.engine"):
+        engine = Engine(
+            ServerArgs(
+                model=str(checkpoint),
+                kv_cache_dtype="fp8_e4m3",
+                block_size=4,
+                max_model_len=48,
+                chunked_prefill_size=6,
+                max_num_batched_tokens=16,
+            )
         )
-    )
     assert engine.runner.kv.layers[0][0].dtype == KV_FP8
+    tokens = engine.num_blocks * 4
+    assert f"({tokens} tokens, " in caplog.text and "cache dtype float8_e4m3fn)" in caplog.text
     prompts = [_ids(n, 7 + n) for n in (1, 5, 13)]
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, SamplingParams(max_tokens=12, temperature=0.0))
