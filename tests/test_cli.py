@@ -194,3 +194,24 @@ def test_tokenizer_command_writes_what_transformers_loads_as_tiny_tokenizes(tmp_
     assert (again / "tokenizer.json").read_bytes() == (out / "tokenizer.json").read_bytes()
     r = _cli("tokenizer", str(tmp_path / "nothing"), "--out", str(tmp_path / "x"))
     assert r.returncode == 2 and "no tokenizer.json" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_fp8_kv_cache_on_a_gpu_without_fp8_is_refused_before_start(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """An A100 (compute capability 8.0) has no FP8 conversions for the kernels: exit 2 with one
+    line before any rank is spawned (the CUDA queries faked: CI has no GPU)."""
+    import logging
+
+    import torch
+
+    from safeserve import cli
+
+    monkeypatch.setattr(logging, "basicConfig", lambda **kw: None)  # leave the root logger be
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 0))
+    rc = cli.main(["serve", "--device", "cuda", "--kv-cache-dtype", "fp8", "--port", "0"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "--kv-cache-dtype fp8_e4m3 needs FP8 support (compute capability 8.9 or newer)" in err
+    assert len(err.strip().splitlines()) == 1

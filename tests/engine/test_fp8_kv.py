@@ -3,7 +3,9 @@
 Two references: the same model with a float32 cache (what FP8 costs: the rounding of K and V
 to 3 mantissa bits), and transformers' float32 model whose attention rounds K and V to e4m3 the
 same way (clamp to +-448, round to nearest even) before using them (what the FP8 path must
-compute: logits within float noise, the same greedy tokens).
+compute: logits within float noise, the same greedy tokens). Greedy tokens against the float32
+cache are not asserted: this random model's top logits lie close together, and measured on 8
+short prompts (12 tokens each) the two caches' greedy continuations part after 3-8 tokens on 7.
 """
 
 from __future__ import annotations
