@@ -3,9 +3,10 @@
 A cache of `float8_e4m3fn` (`--kv-cache-dtype fp8_e4m3`) holds keys and values with a static
 scale of 1 for every layer (as peer servers use when a checkpoint gives no `k_scale`/`v_scale`):
 a value is clamped to the e4m3 range (+-448) and rounded to nearest even, and read back as it
-is. Keys and values after the k norm and RoPE of the supported families are of order 1-10, far
-inside the range, so the rounding (3 mantissa bits, a relative error of at most 2^-4) is the
-only loss. A cache of any other dtype is a plain cast, as before.
+is. Within the range the loss is the rounding to 3 mantissa bits (a relative error of at most
+2^-4); a model whose keys or values go beyond +-448 loses more (they are clamped), and would
+need the per-layer scales this cache does not take yet. A cache of any other dtype is a plain
+cast, as before.
 
 `to_cache` is the torch form (the CPU path and the kernels' oracle); `store_value` and
 `load_value` are the Triton forms every store and attention kernel applies.
