@@ -34,7 +34,7 @@ def _serve(ns: argparse.Namespace) -> int:
     )
     from safeserve.model.config import ModelConfigError
     from safeserve.model.quant import check_device
-    from safeserve.model.registry import check_layout
+    from safeserve.model.registry import check_layout, kv_spec
     from safeserve.model.sharding import LayoutError
     from safeserve.model.tokenizer import TokenizerError
     from safeserve.moe.eplb.location import LocationError, check_redundant
@@ -55,6 +55,11 @@ def _serve(ns: argparse.Namespace) -> int:
             check_layout(cfg, layout, stored)
         if from_checkpoint:
             check_checkpoint(args.model, cfg)
+        if args.kv_cache_dtype != "auto" and kv_spec(cfg, Layout(0, args.tp_size)).v_in_k:
+            raise LayoutError(
+                f"--kv-cache-dtype {args.kv_cache_dtype}: {cfg.model_type} keeps a latent (MLA) "
+                "cache, which has no FP8 form yet; use --kv-cache-dtype auto"
+            )
         if cfg.num_experts:
             from safeserve.model.sharding import starting_expert_map
 
@@ -76,6 +81,15 @@ def _serve(ns: argparse.Namespace) -> int:
                     f"--num-groups {args.num_groups} x --tp-size {args.tp_size} needs CUDA devices "
                     f"up to index {needed - 1}; {torch.cuda.device_count()} visible"
                 )
+            if args.kv_cache_dtype != "auto":
+                for index in sorted({args.device_index(g, r) for g in range(args.num_groups)
+                                     for r in range(args.tp_size)}):  # fmt: skip
+                    if torch.cuda.get_device_capability(index) < (8, 9):
+                        raise LayoutError(
+                            f"--kv-cache-dtype {args.kv_cache_dtype} needs FP8 support (compute "
+                            f"capability 8.9 or newer); CUDA device {index} has "
+                            f"{torch.cuda.get_device_capability(index)}"
+                        )
     except (ModelConfigError, LoadError, LayoutError, LocationError) as e:
         print(f"safeserve: error: {e}", file=sys.stderr)
         return 2

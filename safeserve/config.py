@@ -18,6 +18,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda")
 LOAD_FORMATS = ("auto", "dummy")
 QUANTIZATIONS = ("fp8",)
+# `fp8` is `safeserve plan`'s spelling of the same cache; it is taken as `fp8_e4m3`.
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8")
 A2A_BACKENDS = ("none", "alltoall", "deepep")
 TINY_MODEL = "tiny"
 PREFILL_SIZINGS = ("worst", "observed")
@@ -109,6 +111,14 @@ class ServerArgs:
         "scheduler",
     )
     kv_cache_memory_gb: float = _flag(1.0, "KV-cache memory per rank on CPU, in GiB.", "scheduler")
+    kv_cache_dtype: str = _flag(
+        "auto",
+        "'auto': the KV cache in --dtype; 'fp8_e4m3' (or 'fp8'): float8_e4m3fn, one byte per "
+        "element (twice the tokens of bfloat16 in the same memory), stored with a scale of 1 "
+        "per layer, values clamped to +-448. Not for latent (MLA) caches.",
+        "scheduler",
+        choices=KV_CACHE_DTYPES,
+    )
     mem_fraction_static: float = _flag(
         0.85, "Share of device memory for weights + KV cache on GPU.", "scheduler"
     )
@@ -321,6 +331,10 @@ class ServerArgs:
             raise ConfigError(f"--load-format must be one of {', '.join(LOAD_FORMATS)}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}")
+        if self.kv_cache_dtype == "fp8":
+            self.kv_cache_dtype = "fp8_e4m3"
         if self.moe_a2a_backend not in A2A_BACKENDS:
             raise ConfigError(f"--moe-a2a-backend must be one of {', '.join(A2A_BACKENDS)}")
         for name in (

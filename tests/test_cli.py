@@ -9,6 +9,9 @@ import pytest
 
 from safeserve.config import ConfigError, ServerArgs
 
+# a DeepSeek-V3-family config (one latent per token in the KV cache)
+MLA_CONFIG = Path(__file__).resolve().parents[1] / "kernels" / "configs" / "moonlight-16b-a3b"
+
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
@@ -59,6 +62,11 @@ def test_help_lists_grouped_flags() -> None:
             "cannot be split evenly",
         ),
         (["--ep-num-redundant-experts", "3"], "more than the model's 8 experts"),
+        (["--kv-cache-dtype", "int8"], "invalid choice"),
+        (
+            ["--model", str(MLA_CONFIG), "--load-format", "dummy"] + ["--kv-cache-dtype", "fp8"],
+            "--kv-cache-dtype fp8_e4m3: deepseek_v3 keeps a latent (MLA) cache",
+        ),
     ],
 )
 def test_bad_flags_exit_non_zero_with_one_line(args: list[str], message: str) -> None:
@@ -71,6 +79,9 @@ def test_bad_flags_exit_non_zero_with_one_line(args: list[str], message: str) ->
 def test_server_args_checks() -> None:
     with pytest.raises(ConfigError):
         ServerArgs(block_size=0)
+    with pytest.raises(ConfigError, match="--kv-cache-dtype must be one of auto, fp8_e4m3, fp8"):
+        ServerArgs(kv_cache_dtype="fp8_e5m2")
+    assert ServerArgs(kv_cache_dtype="fp8").kv_cache_dtype == "fp8_e4m3"  # plan's spelling
     assert ServerArgs(chunked_prefill_size=4096, max_num_batched_tokens=512).prefill_chunk == 512
     assert ServerArgs(model="tiny", served_model_name="x").model_name == "x"
 
@@ -183,3 +194,24 @@ def test_tokenizer_command_writes_what_transformers_loads_as_tiny_tokenizes(tmp_
     assert (again / "tokenizer.json").read_bytes() == (out / "tokenizer.json").read_bytes()
     r = _cli("tokenizer", str(tmp_path / "nothing"), "--out", str(tmp_path / "x"))
     assert r.returncode == 2 and "no tokenizer.json" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_fp8_kv_cache_on_a_gpu_without_fp8_is_refused_before_start(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """An A100 (compute capability 8.0) has no FP8 conversions for the kernels: exit 2 with one
+    line before any rank is spawned (the CUDA queries faked: CI has no GPU)."""
+    import logging
+
+    import torch
+
+    from safeserve import cli
+
+    monkeypatch.setattr(logging, "basicConfig", lambda **kw: None)  # leave the root logger be
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 0))
+    rc = cli.main(["serve", "--device", "cuda", "--kv-cache-dtype", "fp8", "--port", "0"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "--kv-cache-dtype fp8_e4m3 needs FP8 support (compute capability 8.9 or newer)" in err
+    assert len(err.strip().splitlines()) == 1

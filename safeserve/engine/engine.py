@@ -117,12 +117,14 @@ class Engine:
         kv_gib = sum(k.nbytes + v.nbytes for k, v in self.runner.kv.layers) / 2**30
         logger.info(
             "engine ready: %d attention rank(s) x %d KV blocks of %d tokens (%d tokens, %.1f GiB "
-            "a rank), max model length %d, chunk %d, step budget %d per attention rank",
+            "a rank, cache dtype %s), max model length %d, chunk %d, step budget %d per attention "
+            "rank",
             dp_size,
             self.num_blocks,
             args.block_size,
             self.num_blocks * args.block_size,
             kv_gib,
+            str(self.runner.kv.dtype).removeprefix("torch."),
             self.max_model_len,
             self.scheduler.chunk,
             self.scheduler.token_budget,

@@ -11,6 +11,8 @@ import torch
 
 from safeserve.engine.request import Request
 from safeserve.guards.sizing import gpu_kv_budget, kv_blocks
+from safeserve.kernels.kv_quant import KV_FP8
+from safeserve.model.loader import DTYPES
 from safeserve.model.spec import KVSpec
 
 if TYPE_CHECKING:
@@ -109,7 +111,11 @@ class KVCache:
     def _build(
         self, spec: KVSpec, slots: int, dtype: torch.dtype, device: torch.device | str
     ) -> None:
+        if dtype == KV_FP8 and spec.v_in_k:
+            # the MLA kernels and latent store read and write the latent in the model's dtype
+            raise ValueError("an FP8 KV cache is not available for latent (MLA) caches")
         self.spec = spec
+        self.dtype = dtype
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
         for _ in range(spec.num_layers):
             # Uninitialized on purpose: a slot is always written before it is read.
@@ -123,6 +129,11 @@ class KVCache:
     @staticmethod
     def bytes_per_block(spec: KVSpec, block_size: int, dtype: torch.dtype) -> int:
         return block_size * spec.token_bytes(dtype.itemsize)
+
+
+def kv_cache_dtype(args: ServerArgs) -> torch.dtype:
+    """The dtype the cache is stored in: `--kv-cache-dtype`, or the model's (`auto`)."""
+    return KV_FP8 if args.kv_cache_dtype == "fp8_e4m3" else DTYPES[args.dtype]
 
 
 def kv_blocks_from_memory(

@@ -19,7 +19,7 @@ import torch
 from safeserve.config import ServerArgs
 from safeserve.engine import rank_graphs
 from safeserve.engine.cuda_graph import DecodeCudaGraphs
-from safeserve.engine.kv_cache import KVCache
+from safeserve.engine.kv_cache import KVCache, kv_cache_dtype
 from safeserve.engine.logprobs import prompt_logprobs, sampled_logprobs
 from safeserve.engine.outcome import RankResult, apply_request_faults
 from safeserve.engine.piecewise_graph import PiecewiseCudaGraphs
@@ -38,7 +38,7 @@ from safeserve.layers.block_tables import TableUpload
 from safeserve.layers.paged_attention import AttentionMetadata
 from safeserve.messages import GuardSizing, RankStats
 from safeserve.model import registry
-from safeserve.model.loader import DTYPES, build_model, load_model_config
+from safeserve.model.loader import build_model, load_model_config
 from safeserve.model.sharding import expert_split, moe_layers, starting_expert_map
 from safeserve.moe.dispatch import StepTokens, make_dispatcher
 from safeserve.moe.expert_map import ExpertMap
@@ -107,7 +107,7 @@ class ModelRunner:
             num_kv_blocks(args, self.kv_spec, self.device, self.max_model_len)
         )
         self.kv = KVCache.from_spec(
-            self.kv_spec, self.num_blocks, args.block_size, DTYPES[args.dtype], self.device
+            self.kv_spec, self.num_blocks, args.block_size, kv_cache_dtype(args), self.device
         )
         self.buffers = admission_buffers(
             args, cfg, self.layout, self.device, self.agree_min, self.expert_map

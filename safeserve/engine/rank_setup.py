@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from safeserve.config import ServerArgs
-from safeserve.engine.kv_cache import KVCache, kv_blocks_from_memory
+from safeserve.engine.kv_cache import KVCache, kv_blocks_from_memory, kv_cache_dtype
 from safeserve.guards.admission import DispatchBuffers, bytes_per_recv_row
 from safeserve.guards.sizing import dispatch_budget
 from safeserve.messages import DispatchSizing, DispatchStats, GuardSizing, RankStats
@@ -38,7 +38,7 @@ def num_kv_blocks(args: ServerArgs, spec: KVSpec, device: torch.device, max_mode
     what memory holds of the family's cache entries (`kv_blocks_from_memory`)."""
     if args.num_kv_blocks is not None:
         return args.num_kv_blocks
-    per_block = KVCache.bytes_per_block(spec, args.block_size, DTYPES[args.dtype])
+    per_block = KVCache.bytes_per_block(spec, args.block_size, kv_cache_dtype(args))
     return kv_blocks_from_memory(args, per_block, device, max_model_len)
 
 

@@ -32,6 +32,7 @@ from safeserve.kernels.common import (
     triton,
     use_kernels,
 )
+from safeserve.kernels.kv_quant import to_cache
 
 # Tokens per program of `qk_norm_rope_store` from this many tokens on (else one).
 QK_BLOCK_TOKENS = 16
@@ -145,8 +146,8 @@ def qk_norm_rope_store(
         )
         ok = slot_mapping >= 0
         slots = slot_mapping[ok]
-        k_cache[slots] = k[ok].to(k_cache.dtype)
-        v_cache[slots] = v[ok].to(v_cache.dtype)
+        k_cache[slots] = to_cache(k[ok], k_cache.dtype)
+        v_cache[slots] = to_cache(v[ok], v_cache.dtype)
         return q
     num_tokens = qkv.shape[0]
     head_dim = q_weight.shape[0]
@@ -201,6 +202,7 @@ def qk_norm_rope_store(
 # ---------------------------------------------------------------------------------------------
 
 if HAS_TRITON:
+    from safeserve.kernels.kv_quant import store_value
 
     @triton.jit
     def _rms_norm_kernel(
@@ -275,8 +277,8 @@ if HAS_TRITON:
                 vc_ptr + slot[:, None] * stride_cs + (head - num_heads - num_kv_heads) * stride_ch
             )
             v_ok = m & (slot >= 0)[:, None]
-            tl.store(v_row + cols[None, :], x1.to(vc_ptr.dtype.element_ty), mask=v_ok)
-            tl.store(v_row + half + cols[None, :], x2.to(vc_ptr.dtype.element_ty), mask=v_ok)
+            tl.store(v_row + cols[None, :], store_value(x1, vc_ptr), mask=v_ok)
+            tl.store(v_row + half + cols[None, :], store_value(x2, vc_ptr), mask=v_ok)
         else:
             is_q = head < num_heads
             if is_q:
@@ -312,8 +314,8 @@ if HAS_TRITON:
                 k_slot = tl.load(slot_ptr + t, mask=t_ok, other=-1).to(tl.int64)
                 k_row = kc_ptr + k_slot[:, None] * stride_cs + (head - num_heads) * stride_ch
                 k_ok = m & (k_slot >= 0)[:, None]
-                tl.store(k_row + cols[None, :], y1.to(kc_ptr.dtype.element_ty), mask=k_ok)
-                tl.store(k_row + half + cols[None, :], y2.to(kc_ptr.dtype.element_ty), mask=k_ok)
+                tl.store(k_row + cols[None, :], store_value(y1, kc_ptr), mask=k_ok)
+                tl.store(k_row + half + cols[None, :], store_value(y2, kc_ptr), mask=k_ok)
 
     @triton.jit
     def _qk_norm_rope_store_kernel(

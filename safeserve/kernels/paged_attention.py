@@ -30,6 +30,7 @@ from safeserve.kernels.common import (
     use_kernels,
     zeroed_counters,
 )
+from safeserve.kernels.kv_quant import to_cache
 
 if HAS_TRITON:
     from safeserve.kernels.paged_attention_kernels import (
@@ -62,8 +63,8 @@ def store_kv_torch(
 ) -> None:
     ok = slot_mapping >= 0
     slots = slot_mapping[ok]
-    k_cache[slots] = k[ok].to(k_cache.dtype)
-    v_cache[slots] = v[ok].to(v_cache.dtype)
+    k_cache[slots] = to_cache(k[ok], k_cache.dtype)
+    v_cache[slots] = to_cache(v[ok], v_cache.dtype)
 
 
 def paged_decode_torch(

@@ -10,6 +10,7 @@ from __future__ import annotations
 from safeserve.kernels.common import HAS_TRITON, pdl_wait, tl, triton
 
 if HAS_TRITON:
+    from safeserve.kernels.kv_quant import load_value, store_value
 
     @triton.jit
     def _store_kv_kernel(
@@ -41,8 +42,8 @@ if HAS_TRITON:
         kv = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=ok)
         vv = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=ok)
         dst = slot * stride_cs + h * stride_ch + d
-        tl.store(kc_ptr + dst, kv.to(kc_ptr.dtype.element_ty), mask=ok)
-        tl.store(vc_ptr + dst, vv.to(vc_ptr.dtype.element_ty), mask=ok)
+        tl.store(kc_ptr + dst, store_value(kv, kc_ptr), mask=ok)
+        tl.store(vc_ptr + dst, store_value(vv, vc_ptr), mask=ok)
 
     @triton.jit
     def _decode_tile(
@@ -92,6 +93,8 @@ if HAS_TRITON:
             kv_mask = ok[:, None] & (d < HEAD_DIM)[None, :]
             k = tl.load(kc_ptr + kv_off, mask=kv_mask, other=0.0)
             v = tl.load(vc_ptr + kv_off, mask=kv_mask, other=0.0)
+        k = load_value(k, q)  # an FP8 cache is read back in the query's dtype
+        v = load_value(v, q)
         qk = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         return _softmax_step(qk, v, ok, pos, pos_q, m_i, l_i, acc, DOT_PRECISION, CAUSAL, FULL)
 

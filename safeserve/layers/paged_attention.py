@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from safeserve.kernels import mla_attention as mla
 from safeserve.kernels import paged_attention as pa
 from safeserve.kernels import paged_prefill as pp
+from safeserve.kernels.kv_quant import to_cache
 from safeserve.layers.block_tables import TableUpload
 
 
@@ -230,8 +231,8 @@ def paged_attention(
     if meta.is_decode_kernel:
         pa.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     else:
-        k_cache[meta.slot_mapping] = k.to(k_cache.dtype)
-        v_cache[meta.slot_mapping] = v.to(v_cache.dtype)
+        k_cache[meta.slot_mapping] = to_cache(k, k_cache.dtype)
+        v_cache[meta.slot_mapping] = to_cache(v, v_cache.dtype)
     return attend(q, kv_cache, meta, scale)
 
 

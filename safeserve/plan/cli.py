@@ -91,8 +91,8 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
         "--kv-cache-dtype",
         default="auto",
         choices=list(KV_CACHE_DTYPES),
-        help="'auto': the model's dtype; 'fp8': one byte per element. Bytes only: serve does "
-        "not run an FP8 KV cache yet.",
+        help="'auto': the model's dtype; 'fp8' (or 'fp8_e4m3'): one byte per element, as "
+        "serve's --kv-cache-dtype of the same name (float8_e4m3fn) stores it.",
     )
     g.add_argument("-o", "--output", default="table", choices=("table", "json"))
     g.add_argument(
@@ -189,7 +189,7 @@ def run_plan(ns: argparse.Namespace) -> int:
             cfg,
             ITEMSIZE[dtype],
             ns.quantization,
-            1 if ns.kv_cache_dtype == "fp8" else None,
+            1 if ns.kv_cache_dtype != "auto" else None,
         )
         if ns.gpus_per_node < 1 or ns.nodes < 1:
             raise PlanError("--gpus-per-node and --nodes must be at least 1")
@@ -228,7 +228,7 @@ def run_plan(ns: argparse.Namespace) -> int:
         print(json.dumps(to_json(result, gpu, work, ns.model), indent=2))
     else:
         fp8 = (["weights"] if ns.quantization == "fp8" else []) + (
-            ["KV cache"] if ns.kv_cache_dtype == "fp8" else []
+            ["KV cache"] if ns.kv_cache_dtype != "auto" else []
         )
         print(text(result, gpu, work, ns.model, ns.gpus_per_node * ns.nodes, fp8))
     if ns.write_policy and result.recommended is not None:

@@ -17,7 +17,7 @@ from safeserve.model.spec import ExpertSlice, Slice, WeightSpec
 from safeserve.parallel.layout import Layout
 
 QUANTIZATIONS = ("none", "fp8")
-KV_CACHE_DTYPES = ("auto", "fp8")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # fp8 and fp8_e4m3: serve's one FP8 cache
 FP8_BLOCK = 128  # the block of block-quantized FP8 weights (one float32 scale each)
 EMBED = "embed_tokens.weight"
 

@@ -233,6 +233,48 @@ def _launch_everything(capability: int, shared: int) -> None:
     for n_out, n_in in ((5120, 2048), (2048, 4096)):  # q|k|v and o_proj at their plans
         for dtype in (bf16, torch.float32):
             lin.linear(torch.empty(1, n_in, dtype=dtype), torch.empty(n_out, n_in, dtype=dtype))
+    if capability >= 89:  # the FP8 KV cache (float8_e4m3fn; serve refuses it below sm_89)
+        for dtype in (bf16, torch.float32):
+            caches = [torch.empty(64, kv_heads, d, dtype=torch.float8_e4m3fn) for _ in range(2)]
+            for t in (3, nr.QK_BLOCK_MIN_TOKENS):
+                nr.qk_norm_rope_store(
+                    torch.empty(t, (heads + 2 * kv_heads) * d, dtype=dtype),
+                    torch.empty(d, dtype=dtype),
+                    torch.empty(d, dtype=dtype),
+                    torch.empty(t, d, dtype=dtype),
+                    torch.empty(t, d, dtype=dtype),
+                    1e-6,
+                    heads,
+                    kv_heads,
+                    *caches,
+                    torch.zeros(t, dtype=torch.int64),
+                )
+            kv = torch.empty(3, kv_heads, d, dtype=dtype)
+            pa.store_kv(kv, kv, *caches, torch.zeros(3, dtype=torch.int64))
+            out = torch.empty(40, heads, d, dtype=dtype)
+            info = torch.tensor([[40, 0, 33], [7, 33, 7]], dtype=torch.int32)
+            tables = torch.zeros(2, 4, dtype=torch.int32)
+            hopper = capability >= 90 and shared >= HOPPER_SHARED_BYTES
+            for _, cfg in pp.PREFILL_CONFIGS["sm90" if hopper else "default"]:
+                pp.paged_prefill(out, *caches, tables, info, 33, 16, 0.1, out, cfg)
+            for batch, width in ((1, 4), (64, 256)):
+                q = torch.empty(batch, heads, d, dtype=dtype)
+                tables = torch.zeros(batch, width, dtype=torch.int32)
+                pa.paged_decode(q, *caches, tables, torch.ones(batch, dtype=torch.int32), 16, 0.1)
+            qr.qkv_norm_rope_store(
+                torch.empty(1, h, dtype=dtype),
+                torch.empty((heads + 2 * kv_heads) * d, h, dtype=dtype),
+                None,
+                torch.empty(d, dtype=dtype),
+                torch.empty(d, dtype=dtype),
+                torch.empty(1, d, dtype=dtype),
+                torch.empty(1, d, dtype=dtype),
+                1e-6,
+                heads,
+                kv_heads,
+                *caches,
+                torch.zeros(1, dtype=torch.int64),
+            )
     for dtype in (bf16, torch.float32):  # q|k|v with q/k norm, RoPE and the KV store folded in
         cache = torch.empty(64, kv_heads, d, dtype=dtype)
         qr.qkv_norm_rope_store(

@@ -165,3 +165,16 @@ def test_deepseek_v3_needs_fp8_on_eight_h200(tmp_path: Path) -> None:
     )  # fmt: skip
     assert r.returncode == 2
     assert "does not run FP8 weights or an FP8 KV cache yet" in one_error_line(r)
+
+
+def test_fp8_kv_cache_takes_serves_spelling_too() -> None:
+    """`--kv-cache-dtype fp8_e4m3` (serve's name) plans what `fp8` plans: one byte a KV
+    element, which leaves more of the memory to the cache than `auto`'s bf16."""
+    docs = {}
+    for kv in ("auto", "fp8", "fp8_e4m3"):
+        r = plan("--model", QWEN3, "--gpu", "h200", "--concurrency", "1", "--kv-cache-dtype", kv,
+                 "-o", "json")  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        docs[kv] = json.loads(r.stdout)
+    assert docs["fp8"] == docs["fp8_e4m3"]
+    assert docs["fp8"] != docs["auto"]
