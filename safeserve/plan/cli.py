@@ -212,8 +212,8 @@ def run_plan(ns: argparse.Namespace) -> int:
         if ns.write_policy:
             if ns.quantization != "none" or ns.kv_cache_dtype != "auto":
                 raise PlanError(
-                    "--write-policy: safeserve serve does not run FP8 weights or an FP8 KV cache "
-                    "yet; a preset for them would not size what serve allocates"
+                    "--write-policy: a preset holds guard flags only, not --quantization or "
+                    "--kv-cache-dtype, so one sized for FP8 would not size what serve allocates"
                 )
             check_output_file(ns.write_policy, "--write-policy")
     except (PlanError, ConfigError, ModelConfigError, LoadError, ValueError) as e:
