@@ -65,6 +65,10 @@ class Shutdown:
 
 
 FAULT_KINDS = ("route_skew", "slow_rank", "corrupt", "clear")
+# Why the frontend's router chose a group (the `reason` of safeserve:router_picks_total, which
+# the chaos report reads back): a new request, a waiting one moved to a group that became READY,
+# a continuation after its group failed, a canary run (GET /health/generate).
+ROUTER_PICK_REASONS = ("new", "moved", "migrated", "canary")
 
 
 @dataclass

@@ -43,8 +43,7 @@ from safeserve.chaos.load import RequestRecord
 from safeserve.chaos.observer import Observer, metric_total
 from safeserve.chaos.scenario import EXPECTED_VERDICT, FENCING_FAULTS, Scenario
 from safeserve.guards.watchdog import VERDICT_KINDS
-
-PICK_REASONS = ("new", "moved", "migrated")  # safeserve:router_picks_total's reasons
+from safeserve.messages import ROUTER_PICK_REASONS
 
 RECOVERY_WINDOW_S = 3.0
 SHARE_STEP_S = 0.5
@@ -314,7 +313,7 @@ def server_counters(before: dict, after: dict, groups_before: list, groups_after
     return {
         "migrations": delta("request_migrations_total"),
         # the router's choices by reason: new, moved (waiting, to a group back READY), migrated
-        "router_picks": {r: delta("router_picks_total", reason=r) for r in PICK_REASONS},
+        "router_picks": {r: delta("router_picks_total", reason=r) for r in ROUTER_PICK_REASONS},
         "retries": delta("request_retries_total"),
         "failed_after_retries": delta("requests_failed_after_retries_total"),
         "lost": delta("requests_lost_total"),

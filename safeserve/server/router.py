@@ -43,8 +43,6 @@ from safeserve.server.supervisor import Supervisor
 RETRY_BUDGET_SHARE = 0.2
 RETRY_BUDGET_MIN = 3
 
-PICK_REASONS = ("new", "moved", "migrated")
-
 
 class NoGroupReady(Exception):
     pass
