@@ -52,8 +52,8 @@ def test_failover_and_admission_keep_every_token(family: str, tmp_path) -> None:
         pids = {g["id"]: g["ranks"][1]["pid"] for g in admin_groups(s)}
         killed: list[int] = []
 
-        def fault(groups: set[int]) -> None:  # a rank of a group that holds streams
-            killed.append(min(groups))
+        def fault(running: dict[int, int]) -> None:  # a rank of the group most streams run on
+            killed.append(max(sorted(running), key=lambda g: running[g]))
             os.kill(pids[killed[0]], signal.SIGKILL)
 
         results = asyncio.run(_stream_all(s.url, family, fault))
@@ -84,7 +84,7 @@ async def _stream_all(url: str, model: str, fault) -> list[dict]:  # type: ignor
     results: list[dict] = [{} for _ in range(N)]
     started = asyncio.Event()
     chunks = {"n": 0}
-    groups: set[int] = set()
+    running: dict[int, int] = {}  # group -> its streams not finished yet
 
     async def one(i: int, c: httpx.AsyncClient) -> None:
         body = {
@@ -100,20 +100,21 @@ async def _stream_all(url: str, model: str, fault) -> list[dict]:  # type: ignor
         errors: list = []
         async with c.stream("POST", url + "/v1/completions", json=body) as r:
             group = int(r.headers["x-safeserve-group"])
-            groups.add(group)
+            running[group] = running.get(group, 0) + 1
             async for line in r.aiter_lines():
                 chunk = sse_chunk(line, errors)
                 if chunk is None:
                     continue
                 ids.extend(chunk["choices"][0].get("token_ids") or [])
                 chunks["n"] += 1
-                if chunks["n"] >= 2 * N:
+                if chunks["n"] >= N:
                     started.set()
+            running[group] -= 1
         results[i] = {"group": group, "ids": ids, "errors": errors}
 
     async with httpx.AsyncClient(timeout=300) as c:
         tasks = [asyncio.create_task(one(i, c)) for i in range(N)]
         await started.wait()
-        fault(groups)
+        fault(running)
         await asyncio.gather(*tasks)
     return results
