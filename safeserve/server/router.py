@@ -18,8 +18,10 @@ group), `moved` (a request still waiting, moved to a group that just became READ
   is counted at the running requests' mean blocks; 1 before the group's first report;
 - `headroom` = min(`slot_headroom`, `kv_headroom`): the scarcer of the two.
 
-The pick is the largest (`headroom`, `slot_headroom`, -in flight, -group id): ties go to the
-group with more free slots, then fewer requests in flight, then the lowest id. STARTING, FAILED,
+The pick is the largest (`headroom`, `slot_headroom`, -in flight): ties go to the group with
+more free slots, then fewer requests in flight, then the one picked least recently (then the
+lowest id), so equally idle groups take turns: at a low request rate, where every request ends
+before the next comes, each still gets its share. STARTING, FAILED,
 RESTARTING, DRAINING and DRAINED groups (and a READY group whose incarnation is being fenced)
 are never picked.
 
@@ -63,9 +65,9 @@ class GroupScore:
     def headroom(self) -> float:
         return min(self.slot_headroom, self.kv_headroom)
 
-    def key(self) -> tuple[float, float, int, int]:
-        """Larger is better; distinct for distinct groups, so the pick is deterministic."""
-        return (self.headroom, self.slot_headroom, -self.in_flight, -self.group)
+    def key(self) -> tuple[float, float, int]:
+        """Larger is better (equal keys: the router takes turns)."""
+        return (self.headroom, self.slot_headroom, -self.in_flight)
 
 
 def score(group: int, stats: EngineStats, in_flight: int, max_running: int) -> GroupScore:
@@ -95,6 +97,8 @@ class GroupRouter:
         self.retrying = 0
         self._changed = asyncio.Event()
         self._ready_seen: set[int] = set()
+        self._picks = 0  # picks so far; a group's last pick's number (ties take turns)
+        self._last_pick: dict[int, int] = {}
         # Called with a group that just became READY (the generator moves waiting requests).
         self.on_ready: list[Callable[[Supervisor], None]] = []
 
@@ -129,7 +133,12 @@ class GroupRouter:
         ready = [s for s in allowed if s.group != exclude] or allowed
         if not ready:
             raise NoGroupReady
-        best = max(ready, key=lambda s: self.score(s).key())
+        best = max(
+            ready,
+            key=lambda s: (*self.score(s).key(), -self._last_pick.get(s.group, 0), -s.group),
+        )
+        self._picks += 1
+        self._last_pick[best.group] = self._picks
         self.count(best, reason)
         return best
 
