@@ -73,6 +73,18 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
+def one_thread() -> Iterator[None]:
+    """torch on one thread for the test: tiny GEMMs on a shared host spend more in OpenMP
+    barriers than they split."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
 def server_factory(tmp_path: Path) -> Iterator:
     started: list[subprocess.Popen] = []
 

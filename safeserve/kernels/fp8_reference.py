@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from safeserve.kernels.moe_reference import pairs_by_expert
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # An all-zero block or token group still gets a finite scale (its values quantize to 0).
@@ -119,18 +121,11 @@ def grouped_experts_fp8(
     projection is tiled on its own, as the checkpoint stores it), w2 [E, H, I] and its scales
     [E, ceil(H / b), ceil(I / b)]. `out` [N, H] (zeroed here): the result's buffer, if given;
     `quantize_input`: as `fp8_linear`'s, for both GEMMs."""
-    num_tokens, top_k = topk_ids.shape
     out = torch.zeros_like(hidden_states) if out is None else out.zero_()
-    flat_ids = topk_ids.reshape(-1)
-    pair_idx = torch.nonzero(flat_ids >= 0).squeeze(1)
-    if pair_idx.numel() == 0:
+    pairs = pairs_by_expert(topk_ids, topk_weights, w13.shape[0])
+    if pairs is None:
         return out
-    expert_ids = flat_ids[pair_idx]
-    order = torch.argsort(expert_ids, stable=True)
-    pair_idx, expert_ids = pair_idx[order], expert_ids[order]
-    token_idx = pair_idx // top_k
-    pair_w = topk_weights.reshape(-1)[pair_idx].unsqueeze(1)
-    counts = torch.bincount(expert_ids, minlength=w13.shape[0]).tolist()
+    token_idx, pair_w, counts = pairs
     width = w2.shape[2]
     half = w13_scale_inv.shape[1] // 2
     start = 0

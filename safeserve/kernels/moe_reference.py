@@ -19,6 +19,25 @@ class Workspace(Protocol):
     work_y: torch.Tensor
 
 
+def pairs_by_expert(
+    topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, list[int]] | None:
+    """The routed (token, expert) pairs (ids -1 skipped) grouped by expert, in token order
+    within an expert: each pair's token index, its weight `[pairs, 1]`, and the pairs per
+    expert; None when there are none."""
+    top_k = topk_ids.shape[1]
+    flat_ids = topk_ids.reshape(-1)
+    pair_idx = torch.nonzero(flat_ids >= 0).squeeze(1)
+    if pair_idx.numel() == 0:
+        return None
+    expert_ids = flat_ids[pair_idx]
+    order = torch.argsort(expert_ids, stable=True)
+    pair_idx, expert_ids = pair_idx[order], expert_ids[order]
+    pair_w = topk_weights.reshape(-1)[pair_idx].unsqueeze(1)
+    counts = torch.bincount(expert_ids, minlength=num_experts).tolist()
+    return pair_idx // top_k, pair_w, counts
+
+
 def grouped_experts_torch(
     hidden_states: torch.Tensor,
     w13: torch.Tensor,
@@ -35,22 +54,16 @@ def grouped_experts_torch(
     With a `workspace` (admission's preallocated buffers, `guards.admission.DispatchBuffers`) no activation memory is allocated:
     one expert's rows never exceed the budget, since a row holds each expert at most once.
     """
-    num_tokens, top_k = topk_ids.shape
+    num_tokens = topk_ids.shape[0]
     if workspace is not None:
         out = workspace.expert_out[:num_tokens]
         out.zero_()
     else:
         out = torch.zeros_like(hidden_states)
-    flat_ids = topk_ids.reshape(-1)
-    pair_idx = torch.nonzero(flat_ids >= 0).squeeze(1)
-    if pair_idx.numel() == 0:
+    pairs = pairs_by_expert(topk_ids, topk_weights, w13.shape[0])
+    if pairs is None:
         return out
-    expert_ids = flat_ids[pair_idx]
-    order = torch.argsort(expert_ids, stable=True)
-    pair_idx, expert_ids = pair_idx[order], expert_ids[order]
-    token_idx = pair_idx // top_k
-    pair_w = topk_weights.reshape(-1)[pair_idx].unsqueeze(1)
-    counts = torch.bincount(expert_ids, minlength=w13.shape[0]).tolist()
+    token_idx, pair_w, counts = pairs
     if workspace is None:
         x = hidden_states[token_idx]
         y = torch.empty_like(x)

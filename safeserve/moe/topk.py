@@ -162,15 +162,15 @@ class Router(torch.nn.Module):
         to each candidate in turn."""
         assert self.spread is not None and self.spread_count is not None
         n, sources = logical_ids.shape[0], self.spread.shape[0]
-        t = torch.arange(n, device=logical_ids.device)
-        if sources == 1:
-            source = torch.zeros_like(t)
-        else:
-            base, extra = divmod(n, sources)
-            cut = extra * (base + 1)
-            source = torch.where(t < cut, t // (base + 1), extra + (t - cut) // max(base, 1))
-        source = source[:, None].expand_as(logical_ids)
-        turn = t[:, None] % self.spread_count[source, logical_ids]
+        t = torch.arange(n, device=logical_ids.device)[:, None]
+        if sources == 1:  # this rank's own tokens: one table
+            slots, counts = self.spread[0], self.spread_count[0]
+            return slots[logical_ids, t % counts[logical_ids]]
+        base, extra = divmod(n, sources)
+        cut = extra * (base + 1)
+        source = torch.where(t < cut, t // (base + 1), extra + (t - cut) // max(base, 1))
+        source = source.expand_as(logical_ids)
+        turn = t % self.spread_count[source, logical_ids]
         return self.spread[source, logical_ids, turn]
 
     @property

@@ -40,13 +40,7 @@ FP8_VS_FLOAT32_REL = 0.15
 FP8_VS_FAKE_QUANT_ATOL = 1e-4
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    # tiny GEMMs on a shared host: OpenMP barriers cost more than they split
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _e4m3(x: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,6 @@ import json
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -60,13 +59,7 @@ SHAPES = dict(hidden_size=192, head_dim=128, intermediate_size=256, moe_intermed
 FP8 = torch.float8_e4m3fn
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    # tiny GEMMs on a shared host: OpenMP barriers cost more than they split
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
