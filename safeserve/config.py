@@ -135,6 +135,34 @@ class ServerArgs:
         False, "Each rank runs attention for its own requests.", "parallel"
     )
 
+    # -- overlap -------------------------------------------------------------------------------
+    enable_two_batch_overlap: bool = _flag(
+        False,
+        "Two-batch overlap: a step's tokens run as two micro-batches, one's attention and router "
+        "while the other's dispatch or combine is in flight. Steps the rule does not split "
+        "(--tbo-min-decode-batch, too few tokens, CUDA-graph steps) run whole.",
+        "overlap",
+    )
+    tbo_token_distribution_threshold: float = _flag(
+        0.48,
+        "Prefill split: the sequence boundary with the most balanced token sums, unless its "
+        "smaller side holds less than this share of the tokens; then the step is cut at half "
+        "its tokens, one sequence split across the micro-batches. In (0, 0.5].",
+        "overlap",
+    )
+    tbo_min_decode_batch: int = _flag(
+        64,
+        "Pure decode steps with fewer sequences than this on an attention rank run whole "
+        "(splitting small decode batches costs more than it hides).",
+        "overlap",
+    )
+    enable_single_batch_overlap: bool = _flag(
+        False,
+        "Single-batch overlap: the shared experts of a micro-batch run while its routed experts' "
+        "combine is in flight (families with shared experts only).",
+        "overlap",
+    )
+
     # -- expert-parallel load balancing -------------------------------------------------------
     enable_eplb: bool = _flag(
         False,

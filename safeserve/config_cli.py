@@ -47,6 +47,7 @@ _TITLES = {
     "scheduler": "scheduling and KV cache",
     "parallel": "parallelism",
     "eplb": "expert-parallel load balancing (EPLB)",
+    "overlap": "two-batch and single-batch overlap",
     "performance": "performance",
     "guards": "guards",
     "health": "health and watchdog",

@@ -70,6 +70,12 @@ FAULT_KINDS = ("route_skew", "slow_rank", "corrupt", "clear")
 # a continuation after its group failed, a canary run (GET /health/generate).
 ROUTER_PICK_REASONS = ("new", "moved", "migrated", "canary")
 
+# What two-batch overlap did with a forward step (engine/overlap.py decides; the metric
+# safeserve_tbo_steps_total counts by it): ran split at a sequence boundary, ran split with one
+# sequence cut across the micro-batches, or ran whole because a rank's pure decode batch is under
+# --tbo-min-decode-batch, a rank has one token only, or a CUDA graph runs the step.
+TBO_DECISIONS = ("split", "split_cut", "decode_below_threshold", "too_few_tokens", "cuda_graph")
+
 
 @dataclass
 class InjectFault:
@@ -185,6 +191,8 @@ class EngineStats:
     kv_blocks_total: int = 0
     num_preemptions: int = 0
     eplb: EplbStatus | None = None  # None: the group has no routed experts
+    # Forward steps by two-batch-overlap decision (TBO_DECISIONS) since start; empty: TBO off.
+    tbo_steps: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

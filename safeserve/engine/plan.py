@@ -94,6 +94,9 @@ class StepPlan:
     retired_tables: list[int] = field(default_factory=list)
     # An EPLB step (no sequences: every rank does this instead of a forward pass).
     eplb: EplbOp | None = None
+    # Two-batch overlap: per attention rank, the index among that rank's step tokens of the
+    # first token of the second micro-batch (engine/overlap.py); None: the step runs whole.
+    split: list[int] | None = None
 
 
 class TableSender:
