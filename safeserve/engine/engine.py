@@ -25,6 +25,7 @@ from safeserve.engine.outcome import (
     is_fatal,
     per_request,
 )
+from safeserve.engine.overlap import decide_split
 from safeserve.engine.plan import (
     EplbOp,
     EplbRankReport,
@@ -110,6 +111,7 @@ class Engine:
             else None
         )
         self.replies: list[EplbReply] = []  # answers to admin commands, for the next outputs
+        self.tbo_steps: dict[str, int] = {}  # forward steps by two-batch-overlap decision
         # The tokenizer's files (generation_config.json, eos_token) may name more stop ids.
         tokenizer = load_tokenizer(args.model, cfg.eos_token_ids, args.load_format == "dummy")
         self.eos_token_ids = set(tokenizer.eos_token_ids)
@@ -133,6 +135,12 @@ class Engine:
     def _apply_sizing(self, sizing: PrefillSizing) -> None:
         self.scheduler.token_budget = sizing.step_tokens
         self.scheduler.chunk = min(sizing.chunk, sizing.step_tokens)
+
+    @property
+    def tbo(self) -> bool:
+        """Whether two-batch overlap splits this group's steps: only where it has more than one
+        rank (on one there is no dispatch or combine to overlap with)."""
+        return self.args.enable_two_batch_overlap and self.runner.layout.tp_size > 1
 
     def guards(self) -> GuardSizing:
         """Effective admission budget and prefill sizing (GET /admin/config shows them)."""
@@ -194,6 +202,7 @@ class Engine:
             kv_blocks_total=self.scheduler.num_blocks_total,
             num_preemptions=self.scheduler.num_preemptions,
             eplb=self.eplb.status() if self.eplb is not None else None,
+            tbo_steps=dict(self.tbo_steps),
         )
 
     def eplb_command(self, cmd: EplbCommand) -> None:
@@ -300,7 +309,28 @@ class Engine:
                     seq.prompt_lp_first = first
                     seq.prompt_lp_top = max(0, int(req.params.prompt_logprobs or 0))
             per_rank[req.dp_rank].append(seq)
-        return StepPlan(self.step_id, per_rank, faults=self.faults)
+        plan = StepPlan(self.step_id, per_rank, faults=self.faults)
+        if self.tbo:
+            plan.split, decision = self.tbo_decision(plan)
+            self.tbo_steps[decision] = self.tbo_steps.get(decision, 0) + 1
+        return plan
+
+    def tbo_decision(self, plan: StepPlan) -> tuple[list[int] | None, str]:
+        """Two-batch overlap's split of a forward step (`StepPlan.split`) and its decision
+        (`messages.TBO_DECISIONS`). A step that a decode CUDA graph runs stays whole: the bucket
+        is picked from the plan as `ModelRunner._run` picks it, and every rank of the group
+        captured the same buckets, so the leader's graphs answer for every rank. Otherwise the
+        rule of `overlap.decide_split` over each attention rank's query lengths."""
+        graphs = self.runner.cuda_graphs
+        if graphs is not None:
+            ranks = plan.per_rank if self.runner.layout.dp_attention else [plan.per_rank[0]]
+            if graphs.group_bucket(ranks) is not None:
+                return None, "cuda_graph"
+        return decide_split(
+            [[len(s.token_ids) for s in seqs] for seqs in plan.per_rank],
+            self.args.tbo_token_distribution_threshold,
+            self.args.tbo_min_decode_batch,
+        )
 
     def run(self, plan: StepPlan) -> list[RankResult]:
         """Every rank runs the plan; returns each attention rank's results. Raises StepError

@@ -1,11 +1,17 @@
-"""Two-batch overlap's split rule (engine/overlap.py): properties over generated batches, and a
-few hand-computed steps."""
+"""Two-batch overlap's split rule (engine/overlap.py): properties over generated batches and a
+few hand-computed steps; then the leader's decision in `Engine.build_plan` and its count."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from safeserve.config import ServerArgs
+from safeserve.engine.cuda_graph import DecodeCudaGraphs, graph_buckets
+from safeserve.engine.engine import Engine
+from safeserve.engine.kv_cache import BlockAllocator
 from safeserve.engine.overlap import (
     Piece,
     cut_pieces,
@@ -13,7 +19,11 @@ from safeserve.engine.overlap import (
     decide_split,
     split_point,
 )
-from safeserve.messages import TBO_DECISIONS
+from safeserve.engine.plan import Faults
+from safeserve.engine.request import Request
+from safeserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from safeserve.messages import TBO_DECISIONS, SamplingParams
+from safeserve.parallel.layout import Layout
 
 FAST = settings(max_examples=200, deadline=None)
 
@@ -136,3 +146,75 @@ def test_hand_computed_splits() -> None:
     assert decide_split([[4, 4], [1], [1] * 3], thr, 64) == (None, "too_few_tokens")
     assert decide_split([[1] * 3, [1]], thr, 64) == (None, "decode_below_threshold")
     assert decide_split([[], []], thr, 64) == (None, "too_few_tokens")
+
+
+# -- the leader's decision (Engine.build_plan) --------------------------------------------------
+
+
+def _leader(
+    tp: int, dp_attention: bool = False, graphs: DecodeCudaGraphs | None = None, **flags: object
+) -> Engine:
+    """An Engine that can build plans and report stats: a real scheduler, a group of `tp` ranks
+    as its leader's runner describes it (layout and decode graphs only; no model, no group)."""
+    engine = object.__new__(Engine)  # build_plan and stats need nothing else
+    engine.args = ServerArgs(tp_size=tp, ep_size=tp, enable_dp_attention=dp_attention, **flags)  # type: ignore[arg-type]
+    engine.runner = SimpleNamespace(layout=Layout(0, tp, tp, dp_attention), cuda_graphs=graphs)  # type: ignore[assignment]
+    dp = tp if dp_attention else 1
+    engine.scheduler = Scheduler([BlockAllocator(64, 4) for _ in range(dp)], 64, 256, 256)
+    engine.step_id, engine.faults, engine.eplb, engine.tbo_steps = 0, Faults(), None, {}
+    return engine
+
+
+def _step(*ranks: list[int]) -> SchedulerOutput:
+    """A scheduled step: per attention rank, its sequences' query lengths (1: a decode of a
+    request with a 5-token context, else a prefill chunk from position 0)."""
+    scheduled = []
+    for r, lens in enumerate(ranks):
+        for i, n in enumerate(lens):
+            prompt = list(range(5 if n == 1 else n))
+            req = Request(f"r{r}.{i}", prompt, SamplingParams(max_tokens=4), dp_rank=r)
+            if n == 1:  # one token generated, its K/V next
+                req.token_ids.append(7)
+                req.num_computed = len(prompt)
+            req.block_ids = [0, 1, 2, 3]
+            scheduled.append(ScheduledRequest(req, n))
+    return SchedulerOutput(scheduled)
+
+
+def _graphs(max_bs: int) -> DecodeCudaGraphs:
+    """Decode graphs of buckets up to `max_bs` (the bucket choice needs no device buffers)."""
+    graphs = object.__new__(DecodeCudaGraphs)
+    graphs.buckets, graphs.max_bs = graph_buckets(max_bs), max_bs
+    graphs.block_size, graphs.width = 4, 8
+    return graphs
+
+
+def test_the_leader_splits_steps_and_counts_each_decision() -> None:
+    engine = _leader(2, enable_two_batch_overlap=True, tbo_min_decode_batch=4)
+    plans = [engine.build_plan(s) for s in (_step([7, 1]), _step([1] * 3), _step([1] * 4))]
+    assert [p.split for p in plans] == [[4], None, [2]]
+    assert engine.stats().tbo_steps == {"split_cut": 1, "decode_below_threshold": 1, "split": 1}
+    engine.build_plan(_step([4, 4]))
+    assert engine.stats().tbo_steps["split"] == 2
+
+
+def test_a_decode_graph_step_runs_whole() -> None:
+    engine = _leader(2, graphs=_graphs(8), enable_two_batch_overlap=True, tbo_min_decode_batch=4)
+    assert engine.build_plan(_step([1] * 4)).split is None  # a bucket holds it
+    assert engine.build_plan(_step([1] * 9)).split == [4]  # past the largest bucket
+    assert engine.build_plan(_step([1, 1, 2])).split == [2]  # not a decode step
+    assert engine.stats().tbo_steps == {"cuda_graph": 1, "split": 2}
+    # attention data-parallel: the bucket comes from every rank's sequences, as the runner's
+    engine = _leader(2, True, _graphs(8), enable_two_batch_overlap=True, tbo_min_decode_batch=2)
+    assert engine.build_plan(_step([1] * 4, [])).split is None
+    assert engine.build_plan(_step([1] * 4, [5])).split == [2, 2]  # rank 1 prefills: no graph
+    assert engine.build_plan(_step([1] * 4, [1])).split is None  # a graph, not too_few_tokens
+    assert engine.build_plan(_step([1] * 9, [1])).split is None
+    assert engine.stats().tbo_steps == {"cuda_graph": 2, "split_cut": 1, "too_few_tokens": 1}
+
+
+def test_no_split_and_nothing_counted_with_tbo_off_or_one_rank() -> None:
+    for engine in (_leader(2), _leader(1, enable_two_batch_overlap=True)):
+        assert engine.build_plan(_step([7, 1])).split is None
+        assert engine.build_plan(_step([1] * 100)).split is None
+        assert engine.stats().tbo_steps == {}
