@@ -57,6 +57,7 @@ def _rank_main(
     """One rank of `run_layout` (spawned by safeserve.spawn, which reports it if it raises);
     `server_kw`: more ServerArgs fields."""
     from safeserve.engine.model_runner import ModelRunner
+    from safeserve.engine.overlap import decide_split
     from safeserve.engine.plan import SeqPlan, StepPlan
     from safeserve.messages import SamplingParams
     from safeserve.model.loader import load_model_config
@@ -78,7 +79,7 @@ def _rank_main(
     tables = {
         i: list(range(16 * (i // dp_size), 16 * (i // dp_size) + 16)) for i in range(len(seqs))
     }
-    pos, step = 0, 0
+    pos, step, splits = 0, 0, 0
     for n in chunks:
         per_rank: list[list[SeqPlan]] = [[] for _ in range(dp_size)]
         owners = []
@@ -91,13 +92,22 @@ def _rank_main(
             )
             owners.append((i % dp_size, i, pos + len(piece) - 1))
         step += 1
-        logits, _ = runner.run_plan(StepPlan(step, per_rank))
+        plan = StepPlan(step, per_rank)
+        if args.enable_two_batch_overlap:  # as the leader decides (engine/overlap.py)
+            plan.split, _ = decide_split(
+                [[len(s.token_ids) for s in seqs] for seqs in per_rank],
+                args.tbo_token_distribution_threshold,
+                args.tbo_min_decode_batch,
+            )
+            splits += plan.split is not None
+        logits, _ = runner.run_plan(plan)
         if logits is not None:
             mine = [(i, p) for r, i, p in owners if r == (rank if dp else 0)]
             for (i, p), row in zip(mine, logits, strict=True):
                 queue.put((i, p, row.float().cpu().tolist()))  # plain data: the rank may exit first
         pos += n
     graphs = [runner.cuda_graphs, runner.piecewise]
+    queue.put(("splits", rank, splits))
     queue.put(("done", rank, tuple(g.replays if g is not None else None for g in graphs)))
     runner.comm.shutdown()
 
@@ -112,11 +122,13 @@ def run_layout(
     replays: dict | None = None,
     phy2log: list[list[int]] | None = None,
     server_kw: dict | None = None,
+    splits: dict | None = None,
 ) -> dict:
     """{(seq, position): logits row} from a real group of processes; `replays` (if given) gets
     each rank's (decode, piecewise) CUDA graph replays (None where the rank captured none);
     `phy2log` (if given) the experts' placement (`ExpertMap.from_phy2log`), else the trivial
-    one; `server_kw`: more ServerArgs fields of every rank."""
+    one; `server_kw`: more ServerArgs fields of every rank; `splits` (if given) gets each
+    rank's count of steps run as two micro-batches (with --enable-two-batch-overlap)."""
     layout = LAYOUTS[name]
     out, done = {}, 0
     with spawn_ranks(
@@ -142,6 +154,10 @@ def run_layout(
                 done += 1
                 if replays is not None:
                     replays[b] = c
+                continue
+            if a == "splits":
+                if splits is not None:
+                    splits[b] = c
                 continue
             out[(a, b)] = torch.tensor(c)
     return out

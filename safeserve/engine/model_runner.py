@@ -22,6 +22,7 @@ from safeserve.engine.cuda_graph import DecodeCudaGraphs
 from safeserve.engine.kv_cache import KVCache, kv_cache_dtype
 from safeserve.engine.logprobs import prompt_logprobs, sampled_logprobs
 from safeserve.engine.outcome import RankResult, apply_request_faults
+from safeserve.engine.overlap import cut_pieces
 from safeserve.engine.piecewise_graph import PiecewiseCudaGraphs
 from safeserve.engine.plan import Faults, SeqPlan, StepPlan
 from safeserve.engine.rank_eplb import RankEplb
@@ -99,6 +100,7 @@ class ModelRunner:
         for layer in self.model.layers:
             if layer.is_moe:
                 layer.mlp.on_phase = self._moe_phase
+                layer.mlp.single_batch_overlap = args.enable_single_batch_overlap
         self.eplb = RankEplb.build(self)  # before the graphs: they hold its counting
         self.step_id = 0
         self.max_model_len = args.max_model_len or cfg.max_position_embeddings
@@ -301,7 +303,10 @@ class ModelRunner:
                 index = torch.tensor(rows, dtype=torch.int64, device=self.device)
                 logits, greedy = logits[index], greedy[index]
             return logits, greedy, sampling, prompt
-        hidden, sample_rows = self._forward(mine, max(sizes))
+        if plan.split is not None:
+            hidden, sample_rows = self._forward_split(mine, plan.split, sizes)
+        else:
+            hidden, sample_rows = self._forward(mine, max(sizes))
         if not samples_here:
             return None, None, sampling, {}
         prompt = (
@@ -339,10 +344,79 @@ class ModelRunner:
         if pw is not None and pw.can_run(group_tokens):
             hidden = pw.run(ids, positions, meta, group_tokens)
         else:
-            hidden = self.model(
-                torch.tensor(ids, dtype=torch.int64, device=self.device),
-                torch.tensor(positions, dtype=torch.int64, device=self.device),
-                meta,
-                self.kv.layers,
+            d = self.dispatcher
+            # single-batch overlap: the combine is issued asynchronously so that the shared
+            # experts run while it moves
+            overlap = d is not None and self.args.enable_single_batch_overlap
+            if overlap:
+                d.asynchronous = True
+            try:
+                hidden = self.model(
+                    torch.tensor(ids, dtype=torch.int64, device=self.device),
+                    torch.tensor(positions, dtype=torch.int64, device=self.device),
+                    meta,
+                    self.kv.layers,
+                )
+            finally:
+                if overlap:
+                    d.asynchronous = False
+        return hidden, torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
+
+    def _forward_split(
+        self, seqs: list[SeqPlan], split: list[int], sizes: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two-batch overlap: this rank's step tokens cut at its `split` index into two
+        micro-batches (one sequence may be cut across them: its second piece starts where the
+        first ended and attends to it as its prefix) that run in turns (`CausalLM.forward_split`),
+        eagerly. Every rank of the group runs the same schedule; `sizes` are the ranks' step
+        tokens (each its own with attention data-parallel)."""
+        rank = self.layout.rank if self.layout.dp_attention else 0
+        at = split[rank]
+        first, second = cut_pieces([len(s.token_ids) for s in seqs], at)
+        parts = []
+        for pieces in (first, second):
+            ids: list[int] = []
+            positions: list[int] = []
+            for p in pieces:
+                s = seqs[p.seq]
+                ids.extend(s.token_ids[p.offset : p.offset + p.length])
+                positions.extend(range(s.start + p.offset, s.start + p.offset + p.length))
+            meta = AttentionMetadata.build(
+                [p.length for p in pieces],
+                [seqs[p.seq].start + p.offset + p.length for p in pieces],
+                [seqs[p.seq].block_table for p in pieces],
+                self.args.block_size,
+                self.device,
+                use_kernels=self.attention_kernels,
             )
+            parts.append(
+                (
+                    torch.tensor(ids, dtype=torch.int64, device=self.device),
+                    torch.tensor(positions, dtype=torch.int64, device=self.device),
+                    meta,
+                )
+            )
+        enter: list = []
+        if self.dispatcher is not None:
+            if self.layout.dp_attention:
+                halves = [list(split), [n - k for n, k in zip(sizes, split, strict=True)]]
+            else:
+                halves = [[at] * len(sizes), [sizes[0] - at] * len(sizes)]
+            replicated = not self.layout.dp_attention
+            enter = self.dispatcher.micro_batches(
+                [StepTokens(h, replicated=replicated) for h in halves]
+            )
+        else:  # a model without routed experts: nothing moves, nothing to overlap
+            enter = [lambda: None, lambda: None]
+        try:
+            hidden = self.model.forward_split(parts, self.kv.layers, enter)
+        finally:
+            if self.dispatcher is not None:
+                self.dispatcher.end_micro_batches()
+        sample_rows = []
+        row = 0
+        for s in seqs:
+            row += len(s.token_ids)
+            if s.params is not None:
+                sample_rows.append(row - 1)
         return hidden, torch.tensor(sample_rows, dtype=torch.int64, device=self.device)

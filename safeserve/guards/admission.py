@@ -131,6 +131,29 @@ class DispatchBuffers:
         bufs.stats = AdmissionStats(budget=b, buffer_bytes=bufs.nbytes)
         return bufs
 
+    def halves(self) -> tuple[DispatchBuffers, DispatchBuffers]:
+        """The buffers as two disjoint halves (views, no memory added), each with half the
+        budget: the two micro-batches of a split step dispatch into their own half, one
+        while the other's rows are still in use. Statistics stay shared."""
+        half = self.max_recv_tokens // 2
+        if half < 1:
+            raise ValueError("splitting the dispatch buffers needs a budget of at least 2")
+        parts = []
+        for lo, hi in ((0, half), (half, 2 * half)):
+            part = DispatchBuffers(
+                hi - lo,
+                self.hidden[lo:hi],
+                self.routing[lo:hi],
+                self.expert_out[lo:hi],
+                self.work_x[lo:hi],
+                self.work_gate_up[lo:hi],
+                self.work_act[lo:hi],
+                self.work_y[lo:hi],
+            )
+            part.stats = self.stats
+            parts.append(part)
+        return parts[0], parts[1]
+
     @property
     def nbytes(self) -> int:
         parts = (

@@ -8,6 +8,7 @@ from torch import nn
 
 from safeserve.layers.norm import RMSNorm
 from safeserve.layers.paged_attention import AttentionMetadata
+from safeserve.parallel.schedule import Steps, drive
 
 
 class DecoderLayer(nn.Module):
@@ -32,10 +33,24 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's MLP output, the residual stream before it); the next layer's
         norm adds the two."""
+        return drive(self.steps(x, residual, cos, sin, meta, kv_cache))
+
+    def steps(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+    ) -> Steps[tuple[torch.Tensor, torch.Tensor]]:
+        """`forward` as a computation that yields while an MoE block's tokens move."""
         if residual is None:
             h, residual = self.input_layernorm(x), x
         else:
             h, residual = self.input_layernorm.add_norm(x, residual)
         h = self.self_attn(h, cos, sin, meta, kv_cache)
         h, residual = self.post_attention_layernorm.add_norm(h, residual)
+        if hasattr(self.mlp, "steps"):
+            return (yield from self.mlp.steps(h)), residual
         return self.mlp(h), residual

@@ -10,12 +10,15 @@ parameters are allocated; `reset_buffers(device)` after the model left the meta 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 from torch import nn
 
 from safeserve.layers.norm import RMSNorm
 from safeserve.layers.paged_attention import AttentionMetadata
 from safeserve.model.config import ModelConfig
+from safeserve.parallel.schedule import Steps, bound, drive, interleave
 
 
 class CausalLM(nn.Module):
@@ -41,14 +44,45 @@ class CausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
         """Returns the final hidden states [T, H] of every scheduled token."""
+        return drive(self.steps(input_ids, positions, meta, kv_caches))
+
+    def steps(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> Steps[torch.Tensor]:
+        """`forward` as a computation that yields while an MoE block's tokens move."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
         residual: torch.Tensor | None = None
-        for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, cos, sin, meta, kv)
+        for i, (layer, kv) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            yield i  # about to compute layer i's attention (schedule.interleave)
+            x, residual = yield from layer.steps(x, residual, cos, sin, meta, kv)
         if residual is None:  # no layers
             return self.norm(x)
         return self.norm.add_norm(x, residual)[0]
+
+    @torch.inference_mode()
+    def forward_split(
+        self,
+        parts: Sequence[tuple[torch.Tensor, torch.Tensor, AttentionMetadata]],
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        enter: Sequence[Callable[[], None]],
+    ) -> torch.Tensor:
+        """Two-batch overlap: two micro-batches' (input ids, positions, metadata) run layer by
+        layer in turns (`schedule.interleave`), each taking a turn while the other's dispatch
+        or combine moves; `enter[i]` makes micro-batch i the dispatcher's context before each
+        of its turns. Returns the final hidden states of both, in order. The first always
+        computes a layer's attention before the second does, so a sequence cut across the two
+        finds its first piece's keys and values in the cache."""
+        first, second = (
+            bound(self.steps(ids, pos, meta, kv_caches), fn)
+            for (ids, pos, meta), fn in zip(parts, enter, strict=True)
+        )
+        a, b = interleave(first, second)
+        return torch.cat([a, b])
 
     def fuse_projections(self) -> None:
         """Projections of one input as one GEMM each; call once the parameters are allocated."""

@@ -3,7 +3,7 @@
 Shared experts (DeepSeek-V3, Qwen2-MoE) run on the token's own rank, never dispatched: every
 rank holds them (split by width across the attention-TP ranks, with their own all-reduce, like
 a dense MLP) and their output is added to the combined routed output; they depend on the
-block's input only, so they can later overlap the combine. A shared-expert gate (Qwen2-MoE)
+block's input only, so with single-batch overlap they run while the combine moves. A shared-expert gate (Qwen2-MoE)
 scales their output by sigmoid(gate(x)).
 """
 
@@ -20,6 +20,7 @@ from safeserve.moe.expert_map import ExpertMap
 from safeserve.moe.placement import ExpertPlacement
 from safeserve.moe.runner import ExpertRunner
 from safeserve.moe.topk import Router, RouterConfig
+from safeserve.parallel.schedule import Steps, drive
 
 
 class MoELayer(torch.nn.Module):
@@ -51,11 +52,20 @@ class MoELayer(torch.nn.Module):
         # `moe_index` of the model; None: not recorded.
         self.recorder: ExpertDistributionRecorder | None = None
         self.moe_index = 0
+        # --enable-single-batch-overlap: the shared experts run while the combine moves
+        self.single_batch_overlap = False
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return drive(self.steps(hidden_states))
+
+    def steps(self, hidden_states: torch.Tensor) -> Steps[torch.Tensor]:
+        """The block as a computation that yields while its dispatch or combine moves
+        (`parallel/schedule.py`). With single-batch overlap the shared experts run once the
+        last combine is issued, before it is waited for."""
         topk = self.gate(hidden_states)
         if self.recorder is not None:
             self._record(topk.topk_ids)
+        shared: list[torch.Tensor] = []  # the shared experts' output, once computed
         if self._direct(hidden_states):
             # One rank, one round, CUDA: the fused MoE allocates its own (budget-bounded)
             # buffers, so staging the rows in the receive buffer and back is two copies for
@@ -68,9 +78,17 @@ class MoELayer(torch.nn.Module):
             d = DispatchOutput(hidden_states, topk.topk_ids, topk.topk_weights)
             out = self.experts(d).hidden_states
         else:
-            out = self.dispatcher.run(hidden_states, topk, self.experts, self.on_phase)
+            during = None
+            if self.shared_experts is not None and self.single_batch_overlap:
+
+                def during() -> None:
+                    shared.append(self._shared(hidden_states))
+
+            out = yield from self.dispatcher.steps(
+                hidden_states, topk, self.experts, self.on_phase, during
+            )
         if self.shared_experts is not None:
-            out = out + self._shared(hidden_states)
+            out = out + (shared[0] if shared else self._shared(hidden_states))
         if self.on_phase is not None:
             self.on_phase("attention")
         return out

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import datetime
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,6 +21,23 @@ from safeserve.parallel.layout import Layout
 
 # A collective is never waited out: the watchdog fences a group long before this.
 _COLLECTIVE_TIMEOUT = datetime.timedelta(hours=2)
+
+
+class Pending:
+    """A collective issued by `Comm.start_*`: `wait()` completes it (once) and returns its
+    result. The tensors it reads and writes must not be touched before then."""
+
+    def __init__(self, comm: Comm, work: Any, result: Callable[[], Any]) -> None:
+        self._comm = comm
+        self._work = work  # the torch.distributed Work of an asynchronous collective, or None
+        self._result = result
+
+    def wait(self) -> Any:
+        if self._work is not None:
+            with self._comm._waiting():
+                self._work.wait()
+            self._work = None
+        return self._result()
 
 
 class Comm:
@@ -69,32 +87,50 @@ class Comm:
             dist.destroy_process_group()
 
     # -- model collectives ----------------------------------------------------------------------
+    # Each collective has a `start_` form returning a `Pending`: with `asynchronous` it is only
+    # issued (gloo's threads or NCCL's stream carry it on) and `wait()` completes it, so a
+    # micro-batch can compute while the other's transfer is in flight; without, it runs to the
+    # end before `start_` returns, exactly as the plain form does.
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.active:
-            with self._waiting():
-                dist.all_reduce(x)
-        return x
+        return self.start_all_reduce(x).wait()
+
+    def start_all_reduce(self, x: torch.Tensor, asynchronous: bool = False) -> Pending:
+        if not self.active:
+            return Pending(self, None, lambda: x)
+        with self._waiting():
+            work = dist.all_reduce(x, async_op=asynchronous)
+        return Pending(self, work, lambda: x)
 
     def all_gather_rows(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         """Concatenates every rank's rows (rank r holds sizes[r] rows) on every rank."""
+        return self.start_all_gather_rows(x, sizes).wait()
+
+    def start_all_gather_rows(
+        self, x: torch.Tensor, sizes: list[int], asynchronous: bool = False
+    ) -> Pending:
         if not self.active:
-            return x
+            return Pending(self, None, lambda: x)
         width = max(sizes)
         padded = x.new_zeros((width, *x.shape[1:]))
         padded[: x.shape[0]] = x
         parts = [torch.empty_like(padded) for _ in range(self.world)]
         with self._waiting():
-            dist.all_gather(parts, padded)
-        return torch.cat([p[:n] for p, n in zip(parts, sizes, strict=True)])
+            work = dist.all_gather(parts, padded, async_op=asynchronous)
+        return Pending(
+            self, work, lambda: torch.cat([p[:n] for p, n in zip(parts, sizes, strict=True)])
+        )
 
     def all_gather_counts(self, counts: torch.Tensor) -> torch.Tensor:
         """Every rank's 1-D count vector stacked: `[world, len(counts)]`."""
+        return self.start_all_gather_counts(counts).wait()
+
+    def start_all_gather_counts(self, counts: torch.Tensor, asynchronous: bool = False) -> Pending:
         if not self.active:
-            return counts[None]
+            return Pending(self, None, lambda: counts[None])
         parts = [torch.empty_like(counts) for _ in range(self.world)]
         with self._waiting():
-            dist.all_gather(parts, counts)
-        return torch.stack(parts)
+            work = dist.all_gather(parts, counts, async_op=asynchronous)
+        return Pending(self, work, lambda: torch.stack(parts))
 
     def to_host(self, t: torch.Tensor) -> list:
         """`t.tolist()`, counted as waiting: on GPUs this is where a late peer is waited for."""
@@ -110,14 +146,27 @@ class Comm:
     ) -> torch.Tensor:
         """Rows to every rank by `send_splits`; received into `out` when given (a preallocated
         buffer view of exactly `sum(recv_splits)` rows)."""
+        return self.start_all_to_all(x, send_splits, recv_splits, out).wait()
+
+    def start_all_to_all(
+        self,
+        x: torch.Tensor,
+        send_splits: list[int],
+        recv_splits: list[int],
+        out: torch.Tensor | None = None,
+        asynchronous: bool = False,
+    ) -> Pending:
         if out is None:
             out = x.new_empty((sum(recv_splits), *x.shape[1:]))
+        result = out
         if not self.active:
-            out.copy_(x)
-            return out
+            result.copy_(x)
+            return Pending(self, None, lambda: result)
         with self._waiting():
-            dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits)
-        return out
+            work = dist.all_to_all_single(
+                result, x.contiguous(), recv_splits, send_splits, async_op=asynchronous
+            )
+        return Pending(self, work, lambda: result)
 
     def exchange(
         self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]

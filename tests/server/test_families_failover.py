@@ -2,7 +2,8 @@
 a dispatch budget of 4 rows (prefill sizing then chunks every prompt so that no rank receives
 more in a round); a rank of a group holding streams SIGKILLed while greedy streams run. Every
 request ends with exactly transformers' argmax tokens (float32), nothing lost or repeated, and
-the group comes back."""
+the group comes back. DeepSeek-V3 once more with two-batch and single-batch overlap: the killed
+group was running split steps."""
 
 from __future__ import annotations
 
@@ -40,13 +41,28 @@ def _prompt(i: int) -> list[int]:
     return [(37 * i + 11 * j) % 250 + 3 for j in range(5 + i)]
 
 
-@pytest.mark.parametrize("family", sorted(WRITERS))
-def test_failover_and_admission_keep_every_token(family: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+# Two-batch overlap (every step the rule allows split, decode batches too) with single-batch
+# overlap: DeepSeek-V3's shared experts run while its combine moves.
+OVERLAP = [
+    "--enable-two-batch-overlap",
+    "--tbo-min-decode-batch",
+    "1",
+    "--enable-single-batch-overlap",
+]
+
+
+@pytest.mark.parametrize(
+    "family,overlap",
+    [(f, False) for f in sorted(WRITERS)] + [("deepseek_v3", True)],
+    ids=[*sorted(WRITERS), "deepseek_v3-overlap"],
+)
+def test_failover_and_admission_keep_every_token(family: str, overlap: bool, tmp_path) -> None:  # type: ignore[no-untyped-def]
     ckpt = WRITERS[family](tmp_path / "ckpt", seed=8)
     hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
     ref = [_greedy(hf, _prompt(i)) for i in range(N)]
     args = ["--model", str(ckpt), "--served-model-name", family, "--dtype", "float32"]
     args += two_groups("--dispatch-budget-tokens", "4", "--max-model-len", "256")
+    args += OVERLAP if overlap else []
     s = start_server(args, tmp_path / "server.log")
     try:
         pids = {g["id"]: g["ranks"][1]["pid"] for g in admin_groups(s)}

@@ -9,6 +9,7 @@ at most the budget.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,7 @@ from safeserve.moe.dispatch.base import CombineInput, Dispatcher, DispatchOutput
 from safeserve.moe.placement import ExpertPlacement
 from safeserve.moe.topk import TopKOutput
 from safeserve.parallel.comm import Comm
+from safeserve.parallel.schedule import Steps
 
 
 @dataclass
@@ -37,7 +39,7 @@ class AllGatherDispatcher(Dispatcher):
         self.placement = placement
         self.comm = comm
 
-    def prepare(self, hidden_states: torch.Tensor, topk: TopKOutput) -> _State:
+    def prepare(self, hidden_states: torch.Tensor, topk: TopKOutput) -> Steps[_State]:
         step = self.step
         assert step is not None, "begin_step() first"
         sources = [hidden_states.shape[0]] if step.replicated else list(step.per_rank)
@@ -49,6 +51,7 @@ class AllGatherDispatcher(Dispatcher):
         return _State(
             hidden_states, topk, sources, rounds, hidden_states.new_empty(hidden_states.shape)
         )
+        yield  # nothing to wait for: every rank knows every source's token count
 
     def num_rounds(self, state: _State) -> int:
         return len(state.rounds)
@@ -57,7 +60,7 @@ class AllGatherDispatcher(Dispatcher):
         me = 0 if len(state.sources) == 1 else self.comm.layout.rank
         return state.rounds[round_index][me]
 
-    def dispatch(self, state: _State, round_index: int) -> DispatchOutput:
+    def dispatch(self, state: _State, round_index: int) -> Steps[DispatchOutput]:
         lo, hi = self._mine(state, round_index)
         x, ids, w = state.hidden[lo:hi], state.topk.topk_ids[lo:hi], state.topk.topk_weights[lo:hi]
         real = self.step.real if self.step is not None else None
@@ -65,9 +68,10 @@ class AllGatherDispatcher(Dispatcher):
             ids = torch.where(real[lo:hi, None], ids, -1)
         if len(state.sources) > 1:
             sizes = [b - a for a, b in state.rounds[round_index]]
-            x = self.comm.all_gather_rows(x, sizes)
-            ids = self.comm.all_gather_rows(ids, sizes)
-            w = self.comm.all_gather_rows(w, sizes)
+            a = self.asynchronous
+            gathers = [self.comm.start_all_gather_rows(t, sizes, a) for t in (x, ids, w)]
+            x = yield from self._wait(gathers[0])
+            ids, w = gathers[1].wait(), gathers[2].wait()
         if self.placement.ep_size > 1:  # every rank sees the round's whole routing
             # A scatter, not torch.bincount: no host sync, so the step can be a CUDA graph.
             dest = self.placement.rank_of(ids).reshape(-1).long()
@@ -80,8 +84,15 @@ class AllGatherDispatcher(Dispatcher):
             x = buf_x
         return DispatchOutput(x, self.placement.to_local_ids(ids), w, round_index)
 
-    def combine(self, state: _State, round_index: int, combine_input: CombineInput) -> None:
-        y = self.comm.all_reduce(combine_input.hidden_states)
+    def combine(
+        self,
+        state: _State,
+        round_index: int,
+        combine_input: CombineInput,
+        during: Callable[[], None] | None = None,
+    ) -> Steps[None]:
+        pending = self.comm.start_all_reduce(combine_input.hidden_states, self.asynchronous)
+        y = yield from self._wait(pending, during)
         lo, hi = self._mine(state, round_index)
         if len(state.sources) > 1:
             me = self.comm.layout.rank
@@ -89,7 +100,8 @@ class AllGatherDispatcher(Dispatcher):
             y = y[start : start + hi - lo]
         state.out[lo:hi] = y
 
-    def finish(self, state: _State) -> torch.Tensor:
+    def finish(self, state: _State) -> Steps[torch.Tensor]:
         if state.loads is not None:
-            self._record_device_loads(state.loads)
+            self._record_loads(state.loads)
         return state.out
+        yield

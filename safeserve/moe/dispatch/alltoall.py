@@ -20,6 +20,7 @@ way: normal mode for large eager steps, low-latency mode with fixed sizes for gr
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,7 @@ from safeserve.moe.dispatch.base import CombineInput, DispatchOutput, recv_views
 from safeserve.moe.placement import ExpertPlacement
 from safeserve.moe.topk import TopKOutput
 from safeserve.parallel.comm import Comm
+from safeserve.parallel.schedule import Steps
 
 
 @dataclass
@@ -64,11 +66,11 @@ class AllToAllDispatcher(AllGatherDispatcher):
         base, extra = divmod(num_tokens, world)
         return [base + (1 if r < extra else 0) for r in range(world)]
 
-    def prepare(self, hidden_states: torch.Tensor, topk: TopKOutput) -> Any:
+    def prepare(self, hidden_states: torch.Tensor, topk: TopKOutput) -> Steps[Any]:
         step = self.step
         assert step is not None, "begin_step() first"
         if step.graph:
-            return super().prepare(hidden_states, topk)
+            return (yield from super().prepare(hidden_states, topk))
         rank, world = self.comm.layout.rank, self.comm.world
         ids, weights = topk.topk_ids, topk.topk_weights
         shares = None
@@ -84,13 +86,16 @@ class AllToAllDispatcher(AllGatherDispatcher):
         # Per destination: the rows it receives and the (token, expert) pairs it computes (its
         # load, for the balancedness record), gathered in one collective.
         pairs = torch.bincount(dest.reshape(-1), minlength=world)
-        gathered = self.comm.all_gather_counts(torch.cat([hit.sum(dim=0), pairs]))
-        matrix = gathered[:, :world]
+        pending = self.comm.start_all_gather_counts(
+            torch.cat([hit.sum(dim=0), pairs]), self.asynchronous
+        )
         # (destination, token) pairs grouped by destination, found without a second host sync.
         order = torch.argsort((~hit.t().reshape(-1)).to(torch.uint8), stable=True)
+        gathered = yield from self._wait(pending)
+        matrix = gathered[:, :world]
         both = self.comm.to_host(gathered)  # the one host sync: the splits and rounds need it
         counts = [row[:world] for row in both]
-        self.balance.record_layer([sum(row[world + d] for row in both) for d in range(world)])
+        self._record_loads([sum(row[world + d] for row in both) for d in range(world)])
         self.last_count_matrix = matrix
         step_tokens = sum(step.per_rank) if not step.replicated else step.per_rank[0]
         self._note_share(max(sum(c[d] for c in counts) for d in range(world)), step_tokens)
@@ -143,37 +148,45 @@ class AllToAllDispatcher(AllGatherDispatcher):
         ]
         return torch.cat(pieces), send_splits, recv_splits
 
-    def dispatch(self, state: Any, round_index: int) -> DispatchOutput:
+    def dispatch(self, state: Any, round_index: int) -> Steps[DispatchOutput]:
         if self._gathered(state):
-            return super().dispatch(state, round_index)
+            return (yield from super().dispatch(state, round_index))
         idx, send_splits, recv_splits = self._round_rows(state, round_index)
         x = state.send_x if idx is None else state.send_x[idx]
         meta = state.send_meta if idx is None else state.send_meta[idx]
         buf_x, buf_meta = recv_views(self.buffers, sum(recv_splits))
-        recv_x = self.comm.all_to_all(x, send_splits, recv_splits, out=buf_x)
-        recv_meta = self.comm.all_to_all(meta, send_splits, recv_splits, out=buf_meta)
+        a = self.asynchronous
+        moving_x = self.comm.start_all_to_all(x, send_splits, recv_splits, buf_x, a)
+        moving_meta = self.comm.start_all_to_all(meta, send_splits, recv_splits, buf_meta, a)
+        recv_x = yield from self._wait(moving_x)
+        recv_meta = moving_meta.wait()
         k = state.top_k
         return DispatchOutput(
             recv_x, recv_meta[:, k:].to(torch.int64), recv_meta[:, :k].to(state.dtype), round_index
         )
 
-    def combine(self, state: Any, round_index: int, combine_input: CombineInput) -> None:
+    def combine(
+        self,
+        state: Any,
+        round_index: int,
+        combine_input: CombineInput,
+        during: Callable[[], None] | None = None,
+    ) -> Steps[None]:
         if self._gathered(state):
-            super().combine(state, round_index, combine_input)
+            yield from super().combine(state, round_index, combine_input, during)
             return
         idx, send_splits, recv_splits = self._round_rows(state, round_index)
-        if idx is None:
-            self.comm.all_to_all(
-                combine_input.hidden_states, recv_splits, send_splits, out=state.back[:-1]
-            )
-            return
-        state.back[idx] = self.comm.all_to_all(
-            combine_input.hidden_states, recv_splits, send_splits
+        out = state.back[:-1] if idx is None else None
+        pending = self.comm.start_all_to_all(
+            combine_input.hidden_states, recv_splits, send_splits, out, self.asynchronous
         )
+        back = yield from self._wait(pending, during)
+        if idx is not None:
+            state.back[idx] = back
 
-    def finish(self, state: Any) -> torch.Tensor:
+    def finish(self, state: Any) -> Steps[torch.Tensor]:
         if self._gathered(state):
-            return super().finish(state)
+            return (yield from super().finish(state))
         world = self.comm.world
         total = state.back.shape[0] - 1
         slot = torch.full(
@@ -183,5 +196,6 @@ class AllToAllDispatcher(AllGatherDispatcher):
         # A gather and a sum in float32, in rank order: no atomics, the same result every run.
         out = state.back[slot].sum(dim=1, dtype=torch.float32).to(state.back.dtype)
         if state.shares is not None:
-            out = self.comm.all_gather_rows(out, state.shares)
+            pending = self.comm.start_all_gather_rows(out, state.shares, self.asynchronous)
+            out = yield from self._wait(pending)
         return out
