@@ -163,8 +163,9 @@ class ServerArgs:
     )
     tbo_min_decode_batch: int = _flag(
         64,
-        "Pure decode steps with fewer sequences than this on an attention rank run whole "
-        "(splitting small decode batches costs more than it hides).",
+        "Pure decode steps with fewer sequences than this on an attention rank run whole (a "
+        "small decode batch's split costs more than it hides; the default follows peers' "
+        "published measurements, ours is pending).",
         "overlap",
     )
     enable_single_batch_overlap: bool = _flag(
