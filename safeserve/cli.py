@@ -60,6 +60,11 @@ def _serve(ns: argparse.Namespace) -> int:
                 f"--kv-cache-dtype {args.kv_cache_dtype}: {cfg.model_type} keeps a latent (MLA) "
                 "cache, which has no FP8 form yet; use --kv-cache-dtype auto"
             )
+        if args.enable_single_batch_overlap and not cfg.shared_intermediate_size:
+            raise LayoutError(
+                f"--enable-single-batch-overlap: {cfg.model_type} has no shared experts to run "
+                "while the routed experts' combine is in flight"
+            )
         if cfg.num_experts:
             from safeserve.model.sharding import starting_expert_map
 

@@ -25,6 +25,16 @@ TINY_MODEL = "tiny"
 PREFILL_SIZINGS = ("worst", "observed")
 BALANCEDNESS_REPORT_MODES = ("off", "log", "prometheus", "both")
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+# When a step runs as two micro-batches (engine/overlap.py implements it); --help,
+# GET /admin/config and the docs show this sentence.
+TBO_RULE = (
+    "A step runs split only if every attention rank holding tokens can split its own batch: a "
+    "pure decode batch at half its sequences, with at least --tbo-min-decode-batch sequences on "
+    "each rank; a prefill or mixed batch at the sequence boundary with the most balanced token "
+    "sums, or, where the smaller side would hold less than --tbo-token-distribution-threshold of "
+    "the tokens, at half its tokens with one sequence split across the two halves; a rank with "
+    "one token, a step a CUDA decode graph runs, and a group of one rank run whole."
+)
 
 
 class ConfigError(ValueError):
@@ -139,8 +149,9 @@ class ServerArgs:
     enable_two_batch_overlap: bool = _flag(
         False,
         "Two-batch overlap: a step's tokens run as two micro-batches, one's attention and router "
-        "while the other's dispatch or combine is in flight. Steps the rule does not split "
-        "(--tbo-min-decode-batch, too few tokens, CUDA-graph steps) run whole.",
+        "while the other's dispatch or combine is in flight; each micro-batch gets half the "
+        "dispatch receive budget. Needs --moe-a2a-backend alltoall or --enable-dp-attention. "
+        + TBO_RULE,
         "overlap",
     )
     tbo_token_distribution_threshold: float = _flag(
@@ -152,8 +163,9 @@ class ServerArgs:
     )
     tbo_min_decode_batch: int = _flag(
         64,
-        "Pure decode steps with fewer sequences than this on an attention rank run whole "
-        "(splitting small decode batches costs more than it hides).",
+        "Pure decode steps with fewer sequences than this on an attention rank run whole (a "
+        "small decode batch's split costs more than it hides; the default follows peers' "
+        "published measurements, ours is pending).",
         "overlap",
     )
     enable_single_batch_overlap: bool = _flag(
@@ -437,6 +449,7 @@ class ServerArgs:
             raise ConfigError("--moe-a2a-backend deepep is not available yet; use none or alltoall")
         self._apply_layout_rules()
         self._check_eplb()
+        self._check_overlap()
 
     def _check_eplb(self) -> None:
         """The EPLB flags among themselves and against the layout (the model's sizes are checked
@@ -468,6 +481,43 @@ class ServerArgs:
             raise ConfigError(
                 f"--enable-eplb needs --ep-size equal to --tp-size (got {self.ep_size} and "
                 f"{self.tp_size}): a rebalance moves whole experts between ranks"
+            )
+
+    def _check_overlap(self) -> None:
+        """The overlap flags among themselves and against the layout (a family without shared
+        experts is refused single-batch overlap where the model is known: `cli.py`)."""
+        if not 0 < self.tbo_token_distribution_threshold <= 0.5:
+            raise ConfigError("--tbo-token-distribution-threshold must be in (0, 0.5]")
+        if self.tbo_min_decode_batch < 1:
+            raise ConfigError("--tbo-min-decode-batch must be at least 1")
+        on = [
+            flag
+            for flag, enabled in (
+                ("--enable-two-batch-overlap", self.enable_two_batch_overlap),
+                ("--enable-single-batch-overlap", self.enable_single_batch_overlap),
+            )
+            if enabled
+        ]
+        if on and self.tp_size == 1:
+            logger.info(
+                "%s %s nothing with one rank (--tp-size 1): there is no dispatch or combine "
+                "collective to overlap",
+                " and ".join(on),
+                "does" if len(on) == 1 else "do",
+            )
+            return
+        if not self.enable_two_batch_overlap:
+            return
+        if self.moe_a2a_backend == "none" and not self.enable_dp_attention:
+            raise ConfigError(
+                "--enable-two-batch-overlap needs --moe-a2a-backend alltoall or "
+                "--enable-dp-attention: with tensor-parallel attention and backend none every "
+                "rank computes every token, there is nothing to overlap"
+            )
+        if self.dispatch_budget_tokens == 1:
+            raise ConfigError(
+                "--enable-two-batch-overlap needs --dispatch-budget-tokens of at least 2 (or 0: "
+                "off): each micro-batch gets half the receive budget"
             )
 
     def _apply_layout_rules(self) -> None:

@@ -71,7 +71,7 @@ FAULT_KINDS = ("route_skew", "slow_rank", "corrupt", "clear")
 ROUTER_PICK_REASONS = ("new", "moved", "migrated", "canary")
 
 # What two-batch overlap did with a forward step (engine/overlap.py decides; the metric
-# safeserve_tbo_steps_total counts by it): ran split at a sequence boundary, ran split with one
+# safeserve:tbo_steps_total counts by it): ran split at a sequence boundary, ran split with one
 # sequence cut across the micro-batches, or ran whole because a rank's pure decode batch is under
 # --tbo-min-decode-batch, a rank has one token only, or a CUDA graph runs the step.
 TBO_DECISIONS = ("split", "split_cut", "decode_below_threshold", "too_few_tokens", "cuda_graph")

@@ -63,6 +63,17 @@ def test_help_lists_grouped_flags() -> None:
         ),
         (["--ep-num-redundant-experts", "3"], "more than the model's 8 experts"),
         (["--kv-cache-dtype", "int8"], "invalid choice"),
+        (["--tbo-token-distribution-threshold", "0.6"], "must be in (0, 0.5]"),
+        (["--tbo-min-decode-batch", "0"], "--tbo-min-decode-batch must be at least 1"),
+        (
+            ["--enable-two-batch-overlap", "--tp-size", "2"],
+            "--enable-two-batch-overlap needs --moe-a2a-backend alltoall or --enable-dp-attention",
+        ),
+        (
+            ["--enable-two-batch-overlap", "--tp-size", "2", "--moe-a2a-backend", "alltoall"]
+            + ["--dispatch-budget-tokens", "1"],
+            "--enable-two-batch-overlap needs --dispatch-budget-tokens of at least 2",
+        ),
         (
             ["--model", str(MLA_CONFIG), "--load-format", "dummy"] + ["--kv-cache-dtype", "fp8"],
             "--kv-cache-dtype fp8_e4m3: deepseek_v3 keeps a latent (MLA) cache",
@@ -84,6 +95,73 @@ def test_server_args_checks() -> None:
     assert ServerArgs(kv_cache_dtype="fp8").kv_cache_dtype == "fp8_e4m3"  # plan's spelling
     assert ServerArgs(chunked_prefill_size=4096, max_num_batched_tokens=512).prefill_chunk == 512
     assert ServerArgs(model="tiny", served_model_name="x").model_name == "x"
+
+
+def test_overlap_checks() -> None:
+    """The overlap flags' ranges, and two-batch overlap against the layout: refused where there
+    is no dispatch to overlap (tensor-parallel attention with backend none) or no half of the
+    receive budget for each micro-batch; allowed with alltoall or data-parallel attention."""
+    for bad in (0.0, 0.51, float("nan")):
+        with pytest.raises(ConfigError, match=r"--tbo-token-distribution-threshold must be in"):
+            ServerArgs(tbo_token_distribution_threshold=bad)
+    with pytest.raises(ConfigError, match="--tbo-min-decode-batch must be at least 1"):
+        ServerArgs(tbo_min_decode_batch=0)
+    tbo = dict(enable_two_batch_overlap=True, tp_size=2)
+    with pytest.raises(ConfigError, match="there is nothing to overlap$"):
+        ServerArgs(**tbo)
+    with pytest.raises(ConfigError, match="each micro-batch gets half the receive budget$"):
+        ServerArgs(**tbo, enable_dp_attention=True, dispatch_budget_tokens=1)
+    ServerArgs(**tbo, enable_dp_attention=True, tbo_token_distribution_threshold=0.5)
+    ServerArgs(**tbo, moe_a2a_backend="alltoall", dispatch_budget_tokens=2)
+    ServerArgs(**tbo, moe_a2a_backend="alltoall", dispatch_budget_tokens=0)  # admission off
+
+
+def test_overlap_with_one_rank_does_nothing_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    """--tp-size 1: no collective to overlap; one INFO line, no refusal (backend none is the
+    only backend one rank has)."""
+    with caplog.at_level("INFO", logger="safeserve.config"):
+        ServerArgs(enable_two_batch_overlap=True, enable_single_batch_overlap=True)
+    lines = [r.getMessage() for r in caplog.records if "overlap" in r.getMessage()]
+    assert lines == [
+        "--enable-two-batch-overlap and --enable-single-batch-overlap do nothing with one rank "
+        "(--tp-size 1): there is no dispatch or combine collective to overlap"
+    ]
+    caplog.clear()
+    with caplog.at_level("INFO", logger="safeserve.config"):
+        ServerArgs(enable_two_batch_overlap=True, tp_size=2, enable_dp_attention=True)
+        ServerArgs()
+    assert not [r for r in caplog.records if "overlap" in r.getMessage()]
+
+
+def test_single_batch_overlap_needs_shared_experts() -> None:
+    """Refused at start, one line naming the family, where the model has no shared experts
+    (tiny is Qwen3-MoE); the families that have them say so in their config."""
+    from safeserve.model import registry
+    from safeserve.model.checkpoint import load_model_config
+
+    r = _cli("serve", "--enable-single-batch-overlap", "--tp-size", "2", "--port", "0")
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines() == [
+        "safeserve: error: --enable-single-batch-overlap: qwen3_moe has no shared experts to run "
+        "while the routed experts' combine is in flight"
+    ]
+    configs = Path(__file__).resolve().parents[1] / "kernels" / "configs"
+    assert load_model_config("tiny").shared_intermediate_size == 0
+    assert load_model_config(str(configs / "mixtral-8x7b")).shared_intermediate_size == 0
+    assert load_model_config(str(MLA_CONFIG)).shared_intermediate_size > 0  # DeepSeek-V3
+    qwen2 = dict(
+        model_type="qwen2_moe",
+        vocab_size=10,
+        hidden_size=8,
+        intermediate_size=12,
+        moe_intermediate_size=4,
+        shared_expert_intermediate_size=6,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+    )
+    assert registry.parse_config(qwen2).shared_intermediate_size == 6
 
 
 def test_bad_checkpoint_fails_start_with_clear_error(tmp_path) -> None:

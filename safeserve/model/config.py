@@ -138,6 +138,12 @@ class ModelConfig:
         """Every layer of a model with experts; families with dense layers override it."""
         return self.num_experts > 0
 
+    @property
+    def shared_intermediate_size(self) -> int:
+        """FFN width of the shared experts every token of an MoE layer runs besides its routed
+        ones (all of them together); 0: none. Families that have them override it."""
+        return 0
+
     @staticmethod
     def common(d: dict[str, Any], rope_types: tuple[str, ...] = ("default",)) -> dict[str, Any]:
         """The shared fields of `d`, as keyword arguments of a family's config class."""

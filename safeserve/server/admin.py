@@ -17,6 +17,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from safeserve.config import TBO_RULE
 from safeserve.messages import FAULT_KINDS, DispatchStats, GuardSizing, InjectFault
 from safeserve.moe.eplb.balancedness import group_balancedness
 from safeserve.server.eplb_admin import eplb_summary, install_eplb_routes
@@ -135,6 +136,19 @@ def _guards_view(guards: GuardSizing) -> dict[str, Any]:
     return out
 
 
+def _overlap_view(state: ServerState) -> dict[str, Any]:
+    """Two-batch and single-batch overlap as /admin/config shows them: the flags and the rule
+    that decides which steps run split."""
+    a = state.args
+    return {
+        "enable_two_batch_overlap": a.enable_two_batch_overlap,
+        "enable_single_batch_overlap": a.enable_single_batch_overlap,
+        "tbo_token_distribution_threshold": a.tbo_token_distribution_threshold,
+        "tbo_min_decode_batch": a.tbo_min_decode_batch,
+        "rule": TBO_RULE,
+    }
+
+
 def _lift(state: ServerState, request: Request, fp: str | None) -> Response:
     """Ends quarantines (identical requests are admitted again); a dry run only names them."""
     dry_run = request.query_params.get("dry_run", "") in ("1", "true")
@@ -228,7 +242,9 @@ def build_admin_app(state: ServerState) -> FastAPI:
             str(g.group): (_guards_view(g.ready_info.guards) if g.ready_info else None)
             for g in state.groups
         }
-        return JSONResponse({"args": state.args.to_dict(), "guards": guards})
+        return JSONResponse(
+            {"args": state.args.to_dict(), "guards": guards, "overlap": _overlap_view(state)}
+        )
 
     install_eplb_routes(app, state, lambda request: _check_admin(state, request))
 

@@ -43,7 +43,7 @@ from safeserve.messages import (
     StepOutputs,
 )
 from safeserve.ports import free_port
-from safeserve.server.metrics import Metrics
+from safeserve.server.metrics import Metrics, count_tbo_steps
 
 logger = logging.getLogger(__name__)
 
@@ -312,6 +312,8 @@ class GroupClient:
         while True:
             msg = pickle.loads(await self._out.recv())
             if isinstance(msg, StepOutputs):
+                if self.metrics is not None:
+                    count_tbo_steps(self.metrics, self.group, self.stats, msg.stats)
                 self.stats = msg.stats
                 for reply in msg.replies:
                     fut = self._eplb_waiting.get(reply.request_id)

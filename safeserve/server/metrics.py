@@ -1,4 +1,5 @@
-"""Every Prometheus metric of safeserve (prefix `safeserve:`), declared once, in `METRICS`."""
+"""Every Prometheus metric of safeserve (prefix `safeserve:`), declared once, in `METRICS`; and
+`count_tbo_steps`, which turns a group's per-incarnation step counts into counter increments."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.metrics import MetricWrapperBase
+
+from safeserve.messages import TBO_DECISIONS, EngineStats
 
 # `*_created` series double the output and nobody reads them.
 disable_created_metrics()
@@ -236,6 +239,15 @@ METRICS: tuple[MetricSpec, ...] = (
         GROUP,
     ),
     MetricSpec(
+        "tbo_steps",
+        Counter,
+        "tbo_steps",
+        "Forward steps by two-batch-overlap decision (--enable-two-batch-overlap), per group: "
+        + ", ".join(TBO_DECISIONS)
+        + ". No series before a group reports a decision (none with the flag off).",
+        ("group", "decision"),
+    ),
+    MetricSpec(
         "group_state", Gauge, "group_state", "1 for a group's current state.", ("group", "state")
     ),
     MetricSpec(
@@ -327,3 +339,17 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def count_tbo_steps(metrics: Metrics, group: int, seen: EngineStats, latest: EngineStats) -> None:
+    """Adds to `tbo_steps_total` what a group's newest report (`latest`) counts beyond the one
+    before it (`seen`). Both count since the group's incarnation started, and a new incarnation's
+    GroupClient starts from an empty EngineStats, so a restart adds its steps from zero and no
+    step is counted twice. Once TBO reports, every decision has a series (0 until it occurs)."""
+    if not latest.tbo_steps:
+        return
+    for decision in TBO_DECISIONS:
+        child = metrics.tbo_steps.labels(str(group), decision)
+        new = latest.tbo_steps.get(decision, 0) - seen.tbo_steps.get(decision, 0)
+        if new > 0:
+            child.inc(new)

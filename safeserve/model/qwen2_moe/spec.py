@@ -33,6 +33,10 @@ MODEL = "safeserve.model.qwen2_moe.model:Qwen2MoeForCausalLM"
 class Qwen2MoeConfig(SparseStepConfig):
     shared_expert_intermediate_size: int = 0
 
+    @property
+    def shared_intermediate_size(self) -> int:
+        return self.shared_expert_intermediate_size
+
 
 def parse_config(d: dict[str, Any]) -> Qwen2MoeConfig:
     if "shared_expert_intermediate_size" not in d:
