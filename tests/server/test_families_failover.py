@@ -78,6 +78,14 @@ def test_failover_and_admission_keep_every_token(family: str, overlap: bool, tmp
             assert not r["errors"], r["errors"]
             assert r["ids"] == ref[i], i  # nothing lost, nothing repeated, transformers' tokens
         assert metric(s, "safeserve:request_migrations_total") >= 1
+        if overlap:  # the groups ran split steps (the surviving one counts its own)
+            decisions = httpx.get(s.url + "/metrics").text.splitlines()
+            split = [
+                float(line.rsplit(" ", 1)[1])
+                for line in decisions
+                if line.startswith("safeserve:tbo_steps_total{") and 'decision="split' in line
+            ]
+            assert sum(split) > 0, split
         assert metric(s, "safeserve:requests_lost_total") == 0
         # the ranks' dispatch counters, as their heartbeats report them: rounds ran, none over
         # the budget

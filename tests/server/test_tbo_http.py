@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from layouts import layout_args
@@ -43,3 +44,19 @@ def test_overlap_serves_transformers_greedy(
     for p, res in zip(LAYOUT_PROMPTS, results, strict=True):
         ref = hf_greedy(model, tok, tok(p)["input_ids"], 24)
         assert res.choices[0].model_extra["token_ids"] == ref, p
+    # the steps really ran split, a sequence cut across the halves among them (8-token chunks
+    # of prompts of other lengths), and the operator sees the rule that decided it
+    assert _labelled(s, "split_cut") > 0
+    assert _labelled(s, "split") + _labelled(s, "split_cut") > 0
+    overlap = httpx.get(s.admin_url + "/admin/config").json()["overlap"]
+    assert overlap["enable_two_batch_overlap"] is True
+    assert overlap["tbo_min_decode_batch"] == 1
+
+
+def _labelled(s, decision: str) -> float:  # type: ignore[no-untyped-def]
+    """safeserve:tbo_steps_total summed over the groups, for one decision."""
+    total = 0.0
+    for line in httpx.get(s.url + "/metrics").text.splitlines():
+        if line.startswith("safeserve:tbo_steps_total{") and f'decision="{decision}"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
