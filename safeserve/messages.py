@@ -317,3 +317,82 @@ class Heartbeat:
     time: float  # time.time() on the rank when sent
     phase_since: float = 0.0  # time.time() when the rank entered `phase`
     stats: RankStats = field(default_factory=RankStats)
+
+
+# -- node agents (`safeserve node`, --placement remote) --------------------------------------
+# These, and the group messages above, cross hosts: they travel in the typed encoding of
+# `safeserve.wire` (never pickled), over CurveZMQ.
+
+
+@dataclass
+class NodeHello:
+    """An agent's first message on each connection: who it is and what it has. `agent_id` is
+    new at every start of the agent (a restarted agent is a new incarnation of its node)."""
+
+    node_id: str
+    agent_id: str
+    host: str  # the address its ranks rendezvous on (torch.distributed's TCP store)
+    devices: list[int]
+    pid: int
+
+
+@dataclass
+class NodeBeat:
+    """An agent's heartbeat: the group incarnations whose ranks it runs (group, incarnation)."""
+
+    node_id: str
+    time: float
+    groups: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass
+class NodeLease:
+    """The frontend's answer to a beat: the agent's groups may go on generating for `seconds`
+    from when the agent received it. An agent whose lease lapses stops its ranks."""
+
+    seconds: float
+
+
+@dataclass
+class SpawnRanks:
+    """Start ranks `ranks` of a group incarnation on the agent's devices `devices` (one per
+    rank; -1: CPU). `init_method` None: the agent hosts rank 0 and picks the rendezvous
+    address (its answer, `RanksSpawned`, names it for the other agents). `args`: the group's
+    flags (`ServerArgs.to_dict()`)."""
+
+    group: int
+    incarnation: int
+    ranks: list[int]
+    devices: list[int]
+    init_method: str | None
+    args: dict[str, object]
+
+
+@dataclass
+class RanksSpawned:
+    group: int
+    incarnation: int
+    ranks: list[int]
+    pids: list[int]
+    init_method: str
+
+
+@dataclass
+class StopRanks:
+    """Stop a group incarnation's ranks on this agent: in order (a `Shutdown` reached its
+    leader) within `grace_s`, then killed."""
+
+    group: int
+    incarnation: int
+    grace_s: float = 0.0
+
+
+@dataclass
+class RankExited:
+    """A rank process of the agent ended: its exit code (negative: the signal's number)."""
+
+    group: int
+    incarnation: int
+    rank: int
+    pid: int
+    exitcode: int | None

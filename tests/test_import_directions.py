@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "safeserve"
 # Lowest first; a unit may import units of lower tiers only (and itself).
 TIERS: list[set[str]] = [
     {"config", "messages", "ports"},  # flags, cross-process messages, plain helpers
-    {"policy"},  # guard policy presets (TOML files of flags)
+    {"policy", "wire"},  # guard policy presets; the typed encoding and keys of what crosses hosts
     # Triton kernels; rank layout and comms; rank processes (spawn)
     {"kernels", "parallel", "guards", "config_cli", "spawn"},
     {"layers", "moe"},  # the model families' building blocks; the MoE stages
