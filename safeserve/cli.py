@@ -1,4 +1,4 @@
-"""`safeserve serve`, `bench`, `chaos`, `oncall`, `plan` and `tokenizer` (and, when it lands, `group`)."""
+"""`safeserve serve`, `node`, `keys`, `bench`, `chaos`, `oncall`, `plan` and `tokenizer`."""
 
 from __future__ import annotations
 
@@ -6,12 +6,15 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 
 from safeserve.chaos.cli import add_chaos_args
 from safeserve.config import TINY_MODEL, ConfigError
 from safeserve.config_cli import add_server_args, server_args_from
+from safeserve.node.cli import add_keys_args, add_node_args
 from safeserve.oncall.cli import add_oncall_args
 from safeserve.plan.cli import add_plan_args, run_plan
+from safeserve.wire import keys as curve_keys
 
 
 def _serve(ns: argparse.Namespace) -> int:
@@ -99,11 +102,20 @@ def _serve(ns: argparse.Namespace) -> int:
         print(f"safeserve: error: {e}", file=sys.stderr)
         return 2
 
+    if args.curve_keys_dir and args.placement == "remote":
+        try:
+            curve_keys.load(Path(args.curve_keys_dir), curve_keys.FRONTEND)
+        except curve_keys.KeyError_ as e:
+            print(f"safeserve: error: --curve-keys-dir: {e}", file=sys.stderr)
+            return 2
     # A port that is taken fails here, not after every group has loaded its model.
-    for flag, host, port in (
+    ports = [
         ("--port", args.host, args.port),
         ("--admin-port", args.admin_host, args.admin_port_effective),
-    ):
+    ]
+    if args.placement == "remote":
+        ports.append(("--node-port", args.node_host, args.node_port))
+    for flag, host, port in ports:
         if (why := _cannot_listen(host, port)) is not None:
             print(
                 f"safeserve: error: cannot listen on {host}:{port} ({flag}): {why}", file=sys.stderr
@@ -225,6 +237,18 @@ def _oncall(ns: argparse.Namespace) -> int:
     return oncall_main(ns)
 
 
+def _node(ns: argparse.Namespace) -> int:
+    from safeserve.node.cli import run_node
+
+    return run_node(ns)
+
+
+def _keys(ns: argparse.Namespace) -> int:
+    from safeserve.node.cli import run_keys
+
+    return run_keys(ns)
+
+
 def _plan(ns: argparse.Namespace) -> int:
     return run_plan(ns)
 
@@ -268,6 +292,16 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     )
     add_plan_args(plan)
     plan.set_defaults(func=_plan)
+    node = sub.add_parser(
+        "node", help="node agent: runs the ranks a frontend (--placement remote) places here"
+    )
+    add_node_args(node)
+    node.set_defaults(func=_node)
+    keys_cmd = sub.add_parser(
+        "keys", help="write a CurveZMQ key directory for the frontend and its node agents"
+    )
+    add_keys_args(keys_cmd)
+    keys_cmd.set_defaults(func=_keys)
     tok = sub.add_parser(
         "tokenizer",
         help="write a model's tokenizer as Hugging Face files (AutoTokenizer.from_pretrained)",

@@ -21,6 +21,7 @@ QUANTIZATIONS = ("fp8",)
 # `fp8` is `safeserve plan`'s spelling of the same cache; it is taken as `fp8_e4m3`.
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8")
 A2A_BACKENDS = ("none", "alltoall", "deepep")
+PLACEMENTS = ("local", "remote")
 TINY_MODEL = "tiny"
 PREFILL_SIZINGS = ("worst", "observed")
 BALANCEDNESS_REPORT_MODES = ("off", "log", "prometheus", "both")
@@ -336,6 +337,46 @@ class ServerArgs:
         3.0, "'slow' must hold this long (sustained) before it is reported.", "health"
     )
 
+    # -- node agents (groups on other hosts) ---------------------------------------------------
+    placement: str = _flag(
+        "local",
+        "'local': the frontend spawns every group's ranks on this host. 'remote': node agents "
+        "(`safeserve node`) connect to --node-host:--node-port, and the frontend places each "
+        "group's ranks on their devices (a group may span agents).",
+        "nodes",
+        choices=PLACEMENTS,
+    )
+    node_host: str = _flag(
+        "127.0.0.1", "Address the node agents' port binds (--placement remote).", "nodes"
+    )
+    node_port: int = _flag(8002, "Port node agents connect to (--placement remote).", "nodes")
+    curve_keys_dir: str | None = _flag(
+        None,
+        "Directory of CurveZMQ keys (`safeserve keys DIR` writes one): the frontend's key pair "
+        "and authorized/ (the node agents' public keys). Required with --placement remote "
+        "unless --insecure-nodes.",
+        "nodes",
+        env="SAFESERVE_CURVE_KEYS_DIR",
+    )
+    insecure_nodes: bool = _flag(
+        False,
+        "Let node agents connect without CurveZMQ keys (anyone who reaches --node-port can run "
+        "ranks and read traffic; a warning says so). For trusted test networks only.",
+        "nodes",
+    )
+    node_lease_s: float = _flag(
+        3.0,
+        "A node agent's lease: a node not heard from for this long is lost (its groups are "
+        "fenced and their requests move on); the agent stops its ranks at the same deadline. "
+        "A dropped connection is noticed within two beats.",
+        "nodes",
+    )
+    node_wait_s: float = _flag(
+        120.0,
+        "How long a group start waits for node agents with free devices (--placement remote).",
+        "nodes",
+    )
+
     # -- admin ---------------------------------------------------------------------------------
     admin_host: str = _flag(
         "127.0.0.1", "Address the admin API binds (loopback unless told otherwise).", "admin"
@@ -425,6 +466,7 @@ class ServerArgs:
             or self.watchdog_stall_timeout <= self.heartbeat_interval_s
         ):
             raise ConfigError("--watchdog-stall-timeout must exceed --heartbeat-interval-s (> 0)")
+        self._check_nodes()
         if self.admin_host not in LOOPBACK_HOSTS and not self.admin_api_key:
             raise ConfigError("--admin-host off loopback needs --admin-api-key")
         if self.num_groups < 1 or self.max_request_attempts < 1 or self.crash_loop_failures < 1:
@@ -547,6 +589,21 @@ class ServerArgs:
         if self.devices:
             return int(self.devices.split(",")[group * self.tp_size + rank])
         return group * self.tp_size + rank
+
+    def _check_nodes(self) -> None:
+        if self.placement not in PLACEMENTS:
+            raise ConfigError(f"--placement must be one of {', '.join(PLACEMENTS)}")
+        if not 0 < self.node_port <= 65535:
+            raise ConfigError(f"--node-port must be in 1..65535, got {self.node_port}")
+        if not self.node_lease_s > 0 or not self.node_wait_s > 0:
+            raise ConfigError("--node-lease-s and --node-wait-s must be positive")
+        if self.placement == "remote" and not self.curve_keys_dir and not self.insecure_nodes:
+            raise ConfigError(
+                "--placement remote needs --curve-keys-dir (write one with `safeserve keys DIR`), "
+                "or --insecure-nodes to run without authentication"
+            )
+        if self.placement == "remote" and self.node_port in (self.port, self.admin_port_effective):
+            raise ConfigError("--node-port must differ from --port and --admin-port")
 
     @property
     def admin_port_effective(self) -> int:

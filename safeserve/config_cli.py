@@ -48,6 +48,7 @@ _TITLES = {
     "parallel": "parallelism",
     "eplb": "expert-parallel load balancing (EPLB)",
     "overlap": "two-batch and single-batch overlap",
+    "nodes": "node agents (groups on other hosts)",
     "performance": "performance",
     "guards": "guards",
     "health": "health and watchdog",

@@ -338,19 +338,23 @@ class NodeHello:
 
 @dataclass
 class NodeBeat:
-    """An agent's heartbeat: the group incarnations whose ranks it runs (group, incarnation)."""
+    """An agent's heartbeat: the group incarnations whose ranks it runs (group, incarnation);
+    `sent`: the agent's monotonic clock when it sent the beat (the lease echoes it)."""
 
     node_id: str
-    time: float
+    sent: float
     groups: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
 class NodeLease:
-    """The frontend's answer to a beat: the agent's groups may go on generating for `seconds`
-    from when the agent received it. An agent whose lease lapses stops its ranks."""
+    """The frontend's answer to a beat: the agent's groups may go on generating until `seconds`
+    after the beat was sent (`beat_sent`, the agent's clock): never past the frontend's own
+    deadline, which counts from when the beat arrived. An agent whose lease lapses stops its
+    ranks."""
 
     seconds: float
+    beat_sent: float
 
 
 @dataclass

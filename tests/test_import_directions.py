@@ -18,7 +18,14 @@ TIERS: list[set[str]] = [
     {"layers", "moe"},  # the model families' building blocks; the MoE stages
     {"model"},  # families, registry, loader
     {"engine"},  # scheduler, runner, ranks
-    {"server", "bench", "chaos", "oncall", "plan"},  # the frontends over an engine; the planner
+    {
+        "server",
+        "bench",
+        "chaos",
+        "oncall",
+        "plan",
+        "node",
+    },  # the frontends over an engine; the planner
     {"cli", "__main__"},
 ]
 TIER = {unit: i for i, units in enumerate(TIERS) for unit in units}

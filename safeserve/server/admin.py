@@ -22,6 +22,7 @@ from safeserve.messages import FAULT_KINDS, DispatchStats, GuardSizing, InjectFa
 from safeserve.moe.eplb.balancedness import group_balancedness
 from safeserve.server.eplb_admin import eplb_summary, install_eplb_routes
 from safeserve.server.errors import APIError, bad_request, install_error_handlers, require_bearer
+from safeserve.server.nodes import RemoteRank
 from safeserve.server.protocol import decode_json
 from safeserve.server.state import ServerState
 
@@ -62,7 +63,11 @@ def group_view(state: ServerState) -> list[dict[str, Any]]:
                     "phase_age_s": round(max(0.0, now - st.phase_since), 3),
                     "heartbeat_age_s": round(max(0.0, now - st.received_at), 3),
                     "utilization": round(st.utilization, 3),
-                    "memory_bytes": s.memory_bytes if s.memory_bytes is not None else _rss(st.pid),
+                    # a remote rank's pid is another host's: no local memory reading
+                    "memory_bytes": s.memory_bytes
+                    if s.memory_bytes is not None or state.args.placement == "remote"
+                    else _rss(st.pid),
+                    "node": _node_of(g, r),
                     "memory_peak_bytes": s.memory_peak_bytes,
                     "memory_startup_peak_bytes": s.memory_startup_peak_bytes,
                     "cuda_graph_replays": s.cuda_graph_replays,
@@ -164,6 +169,48 @@ def _lift(state: ServerState, request: Request, fp: str | None) -> Response:
     return JSONResponse({"ok": True, "dry_run": dry_run, "lifted": [q.view(now) for q in lifted]})
 
 
+def _node_of(client: Any, rank: int) -> str | None:
+    """The node agent running a rank (None: this host)."""
+    procs = client.processes
+    if rank < len(procs) and isinstance(procs[rank], RemoteRank):
+        return procs[rank].node.node_id
+    return None
+
+
+def node_view(state: ServerState) -> dict[str, Any]:
+    """The node agents (--placement remote) as GET /admin/nodes shows them."""
+    hub = state.hub
+    if hub is None:
+        return {"placement": state.args.placement, "nodes": [], "refused": {}}
+    now = time.monotonic()
+    nodes = []
+    for n in sorted(hub.nodes.values(), key=lambda n: n.node_id):
+        nodes.append(
+            {
+                "id": n.node_id,
+                "state": "LOST" if n.lost is not None else "READY",
+                "lost_reason": n.lost,
+                "host": n.host,
+                "agent_pid": n.pid,
+                "devices": n.devices,
+                "free_devices": n.free,
+                "ranks": [
+                    {"device": d, "group": g, "incarnation": inc}
+                    for d, (g, inc) in sorted(n.used.items())
+                ],
+                "beat_age_s": round(max(0.0, now - n.last_beat), 3),
+                "connected_at": n.connected_at,
+            }
+        )
+    refused = dict(hub.reader.refused) | dict(hub.handshakes)
+    return {
+        "placement": "remote",
+        "lease_s": state.args.node_lease_s,
+        "nodes": nodes,
+        "refused": refused,
+    }
+
+
 def _rss(pid: int | None) -> int | None:
     if pid is None:
         return None
@@ -234,6 +281,11 @@ def build_admin_app(state: ServerState) -> FastAPI:
     async def lift_one(fp: str, request: Request) -> Response:
         _check_admin(state, request)
         return _lift(state, request, fp)
+
+    @app.get("/admin/nodes")
+    async def nodes(request: Request) -> Response:
+        _check_admin(state, request)
+        return JSONResponse(node_view(state))
 
     @app.get("/admin/config")
     async def config(request: Request) -> Response:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import itertools
 import logging
 import multiprocessing as mp
 import os
@@ -34,7 +35,6 @@ from safeserve.messages import (
     GenerateRequest,
     GroupFatal,
     GroupReady,
-    Heartbeat,
     InjectFault,
     RankStats,
     RequestOutput,
@@ -44,6 +44,7 @@ from safeserve.messages import (
 )
 from safeserve.ports import free_port
 from safeserve.server.metrics import Metrics, count_tbo_steps
+from safeserve.server.nodes import NodeHub, PlacementError, RemoteLink, RemoteRank
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,10 @@ SETTLE_S = 1.0
 # A canary that has no answer by then counts as `timeout` (no verdict: a group that makes no
 # progress is the watchdog's `stalled`).
 CANARY_TIMEOUT_S = 60.0
+
+
+# Incarnation ids: one per GroupClient of this frontend process (routes a node's messages).
+_INCARNATIONS = itertools.count(1)
 
 
 class GroupUnavailable(RuntimeError):
@@ -86,8 +91,14 @@ class GroupClient:
         metrics: Metrics | None = None,
         watchdog: Watchdog | None = None,
         on_failed: Callable[[str], None] | None = None,
+        hub: NodeHub | None = None,
     ) -> None:
+        """`hub`: with --placement remote, the node agents that run the ranks (None: this host
+        spawns them)."""
         self.args = args
+        self.hub = hub
+        self.incarnation = next(_INCARNATIONS)
+        self._link: RemoteLink | None = None
         self.group = group
         self.metrics = metrics
         self.on_failed = on_failed
@@ -111,6 +122,10 @@ class GroupClient:
         self._canary_lock = asyncio.Lock()
         self._ready_event = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
+        # rank processes (index = rank): this host's, or as the node agents report them
+        self.processes: list[mp.process.BaseProcess | RemoteRank] = []
+        if hub is not None:
+            return
         self._ipc_dir = tempfile.mkdtemp(prefix=f"safeserve-g{group}-")
         base = f"ipc://{self._ipc_dir}"
         self.addrs = GroupAddresses(f"{base}/requests", f"{base}/outputs", f"{base}/heartbeats")
@@ -122,10 +137,12 @@ class GroupClient:
         self._out.bind(self.addrs.outputs)
         self._hb = self._ctx.socket(zmq.PULL)
         self._hb.bind(self.addrs.heartbeats)
-        self.processes: list[mp.process.BaseProcess] = []
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
+        if self.hub is not None:
+            self._tasks = [asyncio.create_task(self._place(self.hub))]
+            return
         ctx = mp.get_context("spawn")
         init_method = f"tcp://127.0.0.1:{free_port()}"
         for rank in range(self.args.tp_size):
@@ -148,13 +165,41 @@ class GroupClient:
             self.processes.append(p)
             self.ranks[rank].pid = p.pid
         logger.info("group %d: started ranks %s", self.group, [p.pid for p in self.processes])
-        self._tasks = [
+        self._start_tasks()
+
+    def _start_tasks(self) -> None:
+        self._tasks += [
             asyncio.create_task(self._read_outputs()),
             asyncio.create_task(self._read_heartbeats()),
             asyncio.create_task(self._watch()),
         ]
         if self.args.canary_interval_s > 0:
             self._tasks.append(asyncio.create_task(self._canary_loop()))
+
+    async def _place(self, hub: NodeHub) -> None:
+        """--placement remote: the ranks on the node agents' devices (waiting for room)."""
+        try:
+            link = await hub.place(self.group, self.incarnation, self.args)
+        except PlacementError as e:
+            self._fail(f"placement: {e}")
+            return
+        if self.state is not GroupState.STARTING:  # stopped or failed while it waited
+            link.stop()
+            return
+        self._link = link
+        self.processes = list(link.ranks)
+        for r in link.ranks:
+            self.ranks[r.rank].pid = r.pid
+        self._start_tasks()
+
+    def _send(self, msg: object) -> None:
+        """To the group's leader; never blocks (zmq.Again where no leader is there to read)."""
+        if self.hub is None:
+            self._req.send(pickle.dumps(msg), flags=zmq.NOBLOCK)
+        elif self._link is not None:
+            self._link.send(msg)
+        else:
+            raise zmq.Again()
 
     async def wait_ready(self, timeout: float) -> None:
         await asyncio.wait_for(self._ready_event.wait(), timeout)
@@ -164,7 +209,7 @@ class GroupClient:
         if self.state is not GroupState.FAILED:
             self.state = GroupState.STOPPED
         try:
-            await self._req.send(pickle.dumps(Shutdown()), flags=zmq.NOBLOCK)
+            self._send(Shutdown())
             grace = 5.0
         except zmq.ZMQError:
             # No leader connected to read it (still loading, or gone): nothing will shut the
@@ -172,12 +217,17 @@ class GroupClient:
             grace = 0.0
         loop = asyncio.get_running_loop()
         deadline = time.monotonic() + grace
+        if self._link is not None:
+            await self._link.wait_exited(grace)
         for p in self.processes:
-            await loop.run_in_executor(None, p.join, max(0.1, deadline - time.monotonic()))
+            if not isinstance(p, RemoteRank):
+                await loop.run_in_executor(None, p.join, max(0.1, deadline - time.monotonic()))
         self.kill_all()
         for t in self._tasks:
             t.cancel()
         self.state = GroupState.STOPPED
+        if self.hub is not None:
+            return
         self._ctx.destroy(linger=0)
         with contextlib.suppress(OSError):
             for name in ("requests", "outputs", "heartbeats"):
@@ -194,16 +244,16 @@ class GroupClient:
     ) -> asyncio.Queue[RequestOutput]:
         q: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self.queues[rid] = q
-        self._req.send(pickle.dumps(GenerateRequest(rid, prompt_ids, params)), flags=zmq.NOBLOCK)
+        self._send(GenerateRequest(rid, prompt_ids, params))
         return q
 
     def abort(self, rid: str) -> None:
         if self.queues.pop(rid, None) is not None and self.state is GroupState.READY:
             with contextlib.suppress(zmq.ZMQError):
-                self._req.send(pickle.dumps(AbortRequest(rid)), flags=zmq.NOBLOCK)
+                self._send(AbortRequest(rid))
 
     def inject_fault(self, fault: InjectFault) -> None:
-        self._req.send(pickle.dumps(fault), flags=zmq.NOBLOCK)
+        self._send(fault)
 
     async def eplb_command(self, op: str, timeout: float) -> EplbReply:
         """Asks the group's leader an expert-placement command (messages.EplbCommand) and
@@ -215,7 +265,7 @@ class GroupClient:
         fut: asyncio.Future[EplbReply] = asyncio.get_running_loop().create_future()
         self._eplb_waiting[request_id] = fut
         try:
-            self._req.send(pickle.dumps(EplbCommand(op, request_id)), flags=zmq.NOBLOCK)
+            self._send(EplbCommand(op, request_id))
             return await asyncio.wait_for(fut, timeout)
         finally:
             self._eplb_waiting.pop(request_id, None)
@@ -310,7 +360,10 @@ class GroupClient:
     # -- background tasks -----------------------------------------------------------------------
     async def _read_outputs(self) -> None:
         while True:
-            msg = pickle.loads(await self._out.recv())
+            if self._link is not None:
+                msg = await self._link.outputs.get()
+            else:
+                msg = pickle.loads(await self._out.recv())
             if isinstance(msg, StepOutputs):
                 if self.metrics is not None:
                     count_tbo_steps(self.metrics, self.group, self.stats, msg.stats)
@@ -346,7 +399,10 @@ class GroupClient:
 
     async def _read_heartbeats(self) -> None:
         while True:
-            hb: Heartbeat = pickle.loads(await self._hb.recv())
+            if self._link is not None:
+                hb = await self._link.heartbeats.get()
+            else:
+                hb = pickle.loads(await self._hb.recv())
             st = self.ranks.setdefault(hb.rank, RankStatus(hb.rank))
             st.pid, st.step, st.phase, st.phase_since = hb.pid, hb.step, hb.phase, hb.phase_since
             st.stats = hb.stats
@@ -357,7 +413,11 @@ class GroupClient:
         return bool(self.queues) or self.stats.num_running + self.stats.num_waiting > 0
 
     def kill_all(self) -> None:
-        """Kills every process of the group (a collective with a dead peer is never waited out)."""
+        """Kills every process of the group (a collective with a dead peer is never waited out);
+        remote ranks: their agents are told to (and the incarnation's outputs are dropped)."""
+        if self._link is not None:
+            self._link.stop()
+            return
         for p in self.processes:
             if p.is_alive():
                 p.kill()
@@ -371,6 +431,8 @@ class GroupClient:
         while self.state in (GroupState.STARTING, GroupState.READY):
             await asyncio.sleep(period)
             if self.state not in (GroupState.STARTING, GroupState.READY):
+                return
+            if self._node_lost():
                 return
             alive = {r: p.is_alive() for r, p in enumerate(self.processes)}
             if self.state is GroupState.STARTING:
@@ -396,6 +458,24 @@ class GroupClient:
                     break
             for r, st in self.ranks.items():
                 st.utilization = self.watchdog.track(self.group, r).utilization
+
+    def _node_lost(self) -> bool:
+        """A rank whose node agent is lost (killed, frozen, cut off): a `dead` verdict naming the
+        node; the group is fenced at once (its ranks there stop when their lease lapses)."""
+        verdict = self._lost_verdict()
+        if verdict is None:
+            return False
+        self._record(verdict)
+        self._fail(f"watchdog: dead: {verdict.reason}")
+        return True
+
+    def _lost_verdict(self) -> Verdict | None:
+        lost = [p for p in self.processes if isinstance(p, RemoteRank) and p.lost is not None]
+        if not lost:
+            return None
+        r = lost[0]
+        reason = f"rank {r.rank} (pid {r.pid}) is gone: node {r.node.node_id} lost: {r.lost}"
+        return Verdict("dead", self.group, r.rank, reason)
 
     async def _fence_death(self, reporter: int | None = None) -> None:
         """A rank is gone, or reported a fatal error and is going: wait (at most SETTLE_S) until
@@ -426,12 +506,15 @@ class GroupClient:
                 )
                 and all(v.exit_code is not None for v in deaths)
             )
-            if settled or time.monotonic() >= deadline:
+            lost = self._lost_verdict()  # a lost node's ranks report no exit: it is the cause
+            if settled or lost is not None or time.monotonic() >= deadline:
                 break
             await asyncio.sleep(0.02)
         if self.state is not GroupState.READY:
             return
-        if deaths:
+        if lost is not None:
+            verdict = lost
+        elif deaths:
             verdict = deaths[0]
         else:  # the reporter has not exited (yet): its report is the cause all the same
             rank = reporter if reporter is not None else 0

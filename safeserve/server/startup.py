@@ -20,6 +20,7 @@ from fastapi import FastAPI
 
 from safeserve.server.admin import build_admin_app
 from safeserve.server.generate import Generator
+from safeserve.server.nodes import NodeHub
 from safeserve.server.router import GroupRouter
 from safeserve.server.state import ServerState
 from safeserve.server.supervisor import Supervisor, SupervisorState
@@ -35,8 +36,18 @@ def lifespan(state: ServerState) -> Callable[[FastAPI], AbstractAsyncContextMana
     async def run(app: FastAPI) -> AsyncIterator[None]:
         router = GroupRouter([], state.metrics)
         state.router = router
+        if args.placement == "remote":
+            state.hub = NodeHub(args, on_change=router.notify)
+            state.hub.start()
+            logger.info(
+                "waiting for node agents on %s:%d (%d groups of %d ranks)",
+                args.node_host,
+                args.node_port,
+                args.num_groups,
+                args.tp_size,
+            )
         state.supervisors = [
-            Supervisor(args, g, state.metrics, on_change=router.notify)
+            Supervisor(args, g, state.metrics, on_change=router.notify, hub=state.hub)
             for g in range(args.num_groups)
         ]
         router.supervisors = state.supervisors
@@ -53,6 +64,8 @@ def lifespan(state: ServerState) -> Callable[[FastAPI], AbstractAsyncContextMana
                 state.admin_server.should_exit = True
                 await admin
             await asyncio.gather(*(sup.stop() for sup in state.supervisors))
+            if state.hub is not None:
+                await state.hub.stop()
 
     return run
 

@@ -17,6 +17,7 @@ from safeserve.model.tokenizer import Tokenizer, load_tokenizer
 from safeserve.server.generate import Generator
 from safeserve.server.group_client import GroupClient
 from safeserve.server.metrics import Metrics
+from safeserve.server.nodes import NodeHub
 from safeserve.server.router import GroupRouter
 from safeserve.server.supervisor import Supervisor
 
@@ -37,6 +38,7 @@ class ServerState:
         self.on_fatal = on_fatal
         self.supervisors: list[Supervisor] = []
         self.router: GroupRouter | None = None
+        self.hub: NodeHub | None = None  # --placement remote: the node agents
         self.admin_server: Any = None
         self.generator: Generator | None = None
         self.started = time.time()

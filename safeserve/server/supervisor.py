@@ -21,6 +21,7 @@ from safeserve.config import ServerArgs
 from safeserve.guards.watchdog import Verdict
 from safeserve.server.group_client import GroupClient, GroupState
 from safeserve.server.metrics import Metrics
+from safeserve.server.nodes import NodeHub
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +45,10 @@ class Supervisor:
         group: int,
         metrics: Metrics,
         on_change: Callable[[], None] | None = None,
+        hub: NodeHub | None = None,
     ) -> None:
         self.args = args
+        self.hub = hub  # --placement remote: the node agents
         self.group = group
         self.metrics = metrics
         self.on_change = on_change or (lambda: None)
@@ -70,7 +73,9 @@ class Supervisor:
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
         self._set(SupervisorState.STARTING)
-        client = GroupClient(self.args, self.group, self.metrics, on_failed=self._on_failed)
+        client = GroupClient(
+            self.args, self.group, self.metrics, on_failed=self._on_failed, hub=self.hub
+        )
         self.client = client
         client.start()
         self._spawn(self._await_ready(client))

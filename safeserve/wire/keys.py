@@ -23,7 +23,7 @@ from zmq.utils.monitor import recv_monitor_message
 FRONTEND, NODE = "frontend", "node"
 
 # Handshake failures a server socket's monitor reports (counted as refused connections).
-_HANDSHAKE_FAILED = {
+HANDSHAKE_FAILED = {
     zmq.EVENT_HANDSHAKE_FAILED_AUTH: "handshake_auth",
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake_protocol",
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake",
@@ -108,7 +108,7 @@ class HandshakeCounter:
     it never blocks)."""
 
     def __init__(self, sock: zmq.Socket) -> None:
-        self._mon = sock.get_monitor_socket(sum(_HANDSHAKE_FAILED))
+        self._mon = sock.get_monitor_socket(sum(HANDSHAKE_FAILED))
         self.refused: Counter[str] = Counter()
 
     def poll(self) -> None:
@@ -117,7 +117,7 @@ class HandshakeCounter:
                 event = recv_monitor_message(self._mon, flags=zmq.NOBLOCK)
             except zmq.Again:
                 return
-            reason = _HANDSHAKE_FAILED.get(event["event"])
+            reason = HANDSHAKE_FAILED.get(event["event"])
             if reason is not None:
                 self.refused[reason] += 1
 

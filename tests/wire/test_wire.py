@@ -32,7 +32,7 @@ SAMPLES = [
     m.Heartbeat(0, 1, 42, 3, "idle", 1.0, 0.5, m.RankStats(balancedness={10: 0.9})),
     m.NodeHello("n1", "a1", "127.0.0.2", [0, 1], 99),
     m.NodeBeat("n1", 1.0, [(0, 1)]),
-    m.NodeLease(5.0),
+    m.NodeLease(5.0, 12.5),
     m.SpawnRanks(0, 1, [0, 1], [-1, -1], None, {"tp_size": 2, "model": "tiny"}),
     m.RanksSpawned(0, 1, [0, 1], [10, 11], "tcp://127.0.0.2:1234"),
     m.StopRanks(0, 1, 5.0),

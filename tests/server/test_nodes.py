@@ -1,0 +1,269 @@
+"""Groups on node agents (`--placement remote`), each agent a separate process tree whose ranks
+rendezvous on its own loopback address (127.0.0.1, .2, .3 stand for three hosts), everything
+between the frontend and the agents over CurveZMQ in the typed encoding.
+
+- A frontend and three agents; two groups of 2 ranks, one on one agent, the other spanning the
+  two others: greedy outputs through HTTP equal transformers' (what the local placement serves).
+- Node loss: an agent and its ranks SIGKILLed while greedy streams run: the node is found lost
+  within 2 s, the other group serves on, every stream completes with the unfaulted text (none
+  lost, none repeated), and the group is READY again within 60 s of the agent's return.
+- Security: a client without an authorized key registers nothing and is counted; the admin API
+  lists the nodes; `--placement remote` without keys refuses to start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+import torch
+import zmq
+from serving import admin_groups, die_with_parent, free_port, sse_chunk, start_server, stop_server
+from transformers import AutoModelForCausalLM
+
+from safeserve import messages as m
+from safeserve.wire import codec, keys
+
+N, TOKENS = 6, 20
+# node id -> (the address its ranks rendezvous on, its devices: CPU rank slots)
+NODES = {"a": ("127.0.0.1", "0,1"), "b": ("127.0.0.2", "0"), "c": ("127.0.0.3", "0")}
+
+
+def _prompt(i: int) -> list[int]:
+    return [(29 * i + 7 * j) % 250 + 3 for j in range(4 + i)]
+
+
+def _greedy(hf, ids: list[int]) -> list[int]:  # type: ignore[no-untyped-def]
+    ids = list(ids)
+    with torch.no_grad():
+        for _ in range(TOKENS):
+            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[-TOKENS:]
+
+
+def _agent(node: str, node_port: int, key_dir: Path, log: Path) -> subprocess.Popen:
+    host, devices = NODES[node]
+    cmd = [sys.executable, "-m", "safeserve.cli", "node", "--frontend", f"127.0.0.1:{node_port}"]
+    cmd += ["--node-id", node, "--host", host, "--devices", devices]
+    cmd += ["--curve-keys-dir", str(key_dir)]
+    return subprocess.Popen(
+        cmd,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,  # its own process tree, as on its own host
+        preexec_fn=die_with_parent,
+    )
+
+
+def _kill_tree(p: subprocess.Popen) -> None:
+    try:
+        tree = [p.pid] + [c.pid for c in psutil.Process(p.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for pid in tree:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    p.wait(10)
+
+
+def _nodes(s) -> dict:  # type: ignore[no-untyped-def]
+    return httpx.get(s.admin_url + "/admin/nodes", timeout=10).json()
+
+
+@pytest.fixture(scope="module")
+def cluster(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """A frontend (two groups of two ranks, alltoall, float32) and three agents; yields
+    (server, agents by node id, key dir, node port, log dir); stops them all."""
+    d = tmp_path_factory.mktemp("nodes")
+    key_dir = d / "keys"
+    keys.generate(key_dir)
+    node_port = free_port()
+    agents = {n: _agent(n, node_port, key_dir, d / f"node-{n}.log") for n in NODES}
+    args = ["--model", str(checkpoint), "--dtype", "float32", "--placement", "remote"]
+    args += ["--curve-keys-dir", str(key_dir), "--node-port", str(node_port)]
+    args += ["--num-groups", "2", "--tp-size", "2", "--moe-a2a-backend", "alltoall"]
+    args += ["--node-lease-s", "3", "--restart-backoff-s", "0.5", "--max-model-len", "512"]
+    s = None
+    try:
+        s = start_server(args, d / "server.log", timeout=180)
+        deadline = time.monotonic() + 120
+        while not all(g["state"] == "READY" for g in admin_groups(s)):
+            assert time.monotonic() < deadline, admin_groups(s)
+            time.sleep(0.2)
+        yield s, agents, key_dir, node_port, d
+    finally:
+        if s is not None:
+            stop_server(s.proc)
+        for p in agents.values():
+            _kill_tree(p)
+
+
+def test_groups_on_agents_serve_transformers_greedy(cluster, checkpoint: Path) -> None:  # type: ignore[no-untyped-def]
+    s, agents, *_ = cluster
+    view = _nodes(s)
+    assert view["placement"] == "remote"
+    placed = {n["id"]: [(r["group"], r["device"]) for r in n["ranks"]] for n in view["nodes"]}
+    # one group on node a (both its slots), the other spanning b and c
+    groups_on = {n: {g for g, _ in rs} for n, rs in placed.items()}
+    assert len(placed["a"]) == 2 and len(groups_on["a"]) == 1
+    spanning = (groups_on["b"] | groups_on["c"]).pop()
+    assert groups_on["b"] == groups_on["c"] == {spanning} != groups_on["a"]
+    # every rank's node, as the groups view shows it
+    for g in admin_groups(s):
+        nodes = {r["node"] for r in g["ranks"]}
+        assert nodes == ({"b", "c"} if g["id"] == spanning else {"a"})
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    seen = set()
+    for i in range(N):  # equal groups take turns: both answer (X-Safeserve-Group says which)
+        r = httpx.post(
+            s.url + "/v1/completions",
+            json={
+                "model": str(checkpoint),
+                "prompt": _prompt(i),
+                "max_tokens": TOKENS,
+                "temperature": 0.0,
+                "ignore_eos": True,
+                "return_token_ids": True,
+            },
+            timeout=120,
+        )
+        assert r.status_code == 200, r.text
+        seen.add(int(r.headers["x-safeserve-group"]))
+        assert r.json()["choices"][0]["token_ids"] == _greedy(hf, _prompt(i)), i
+    assert seen == {0, 1}
+
+
+async def _streams(url: str, model: str, started_after: int, fault) -> list[dict]:  # type: ignore[no-untyped-def]
+    results: list[dict] = [{} for _ in range(N)]
+    started = asyncio.Event()
+    chunks = {"n": 0}
+
+    async def one(i: int, c: httpx.AsyncClient) -> None:
+        body = {
+            "model": model,
+            "prompt": _prompt(i),
+            "max_tokens": TOKENS,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            "stream": True,
+        }
+        ids: list[int] = []
+        errors: list = []
+        async with c.stream("POST", url + "/v1/completions", json=body) as r:
+            group = int(r.headers["x-safeserve-group"])
+            async for line in r.aiter_lines():
+                chunk = sse_chunk(line, errors)
+                if chunk is None:
+                    continue
+                ids.extend(chunk["choices"][0].get("token_ids") or [])
+                chunks["n"] += 1
+                if chunks["n"] >= started_after:
+                    started.set()
+        results[i] = {"group": group, "ids": ids, "errors": errors}
+
+    async with httpx.AsyncClient(timeout=300) as c:
+        tasks = [asyncio.create_task(one(i, c)) for i in range(N)]
+        await started.wait()
+        fault()
+        await asyncio.gather(*tasks)
+    return results
+
+
+def test_node_loss_costs_its_group_only_and_no_request(cluster, checkpoint: Path) -> None:  # type: ignore[no-untyped-def]
+    s, agents, key_dir, node_port, d = cluster
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    ref = [_greedy(hf, _prompt(i)) for i in range(N)]
+    victim = "b"  # holds a rank of the spanning group
+    spanning = next(r["group"] for n in _nodes(s)["nodes"] if n["id"] == victim for r in n["ranks"])
+    killed_at: list[float] = []
+
+    def fault() -> None:
+        killed_at.append(time.time())
+        _kill_tree(agents[victim])
+
+    results = asyncio.run(_streams(s.url, str(checkpoint), N, fault))
+    for i, r in enumerate(results):
+        assert not r["errors"], r["errors"]
+        assert r["ids"] == ref[i], i  # nothing lost, nothing repeated
+    node = next(n for n in _nodes(s)["nodes"] if n["id"] == victim)
+    assert node["state"] == "LOST", node
+    (g,) = [g for g in admin_groups(s) if g["id"] == spanning]
+    assert g["failures"] >= 1
+    other = 1 - spanning
+    assert next(x for x in admin_groups(s) if x["id"] == other)["state"] == "READY"
+    # the node comes back: the group is READY again within 60 s
+    agents[victim] = _agent(victim, node_port, key_dir, d / f"node-{victim}-2.log")
+    back = time.monotonic()
+    while next(x for x in admin_groups(s) if x["id"] == spanning)["state"] != "READY":
+        assert time.monotonic() - back < 60, admin_groups(s)
+        time.sleep(0.2)
+    assert next(n for n in _nodes(s)["nodes"] if n["id"] == victim)["state"] == "READY"
+
+
+def test_node_loss_is_detected_within_2_s(cluster) -> None:  # type: ignore[no-untyped-def]
+    s, agents, key_dir, node_port, d = cluster
+    victim = "c"
+    _kill_tree(agents[victim])
+    killed = time.monotonic()
+    while next(n for n in _nodes(s)["nodes"] if n["id"] == victim)["state"] != "LOST":
+        assert time.monotonic() - killed < 2.0
+        time.sleep(0.05)
+    agents[victim] = _agent(victim, node_port, key_dir, d / f"node-{victim}-3.log")
+    deadline = time.monotonic() + 60
+    while not all(g["state"] == "READY" for g in admin_groups(s)):
+        assert time.monotonic() < deadline, admin_groups(s)
+        time.sleep(0.2)
+
+
+def test_a_client_without_the_keys_registers_nothing(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    s, agents, key_dir, node_port, d = cluster
+    other = tmp_path / "other"
+    keys.generate(other)
+    stranger = keys.load(other, keys.NODE)
+    front = keys.load(key_dir, keys.FRONTEND)
+    before = sum(_nodes(s)["refused"].values())
+    ctx = zmq.Context()
+    try:
+        socks = []
+        for k in (keys.CurveKeys(stranger.public, stranger.secret, server_public=front.public),):
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            keys.secure_client(sock, k)
+            sock.connect(f"tcp://127.0.0.1:{node_port}")
+            socks.append(sock)
+        plain = ctx.socket(zmq.DEALER)
+        plain.setsockopt(zmq.LINGER, 0)
+        plain.connect(f"tcp://127.0.0.1:{node_port}")
+        socks.append(plain)
+        for sock in socks:
+            sock.send_multipart(
+                codec.Writer().frames(m.NodeHello("evil", "x", "127.0.0.9", [0], 1))
+            )
+        deadline = time.monotonic() + 10
+        while sum(_nodes(s)["refused"].values()) < before + 2:
+            assert time.monotonic() < deadline, _nodes(s)
+            time.sleep(0.1)
+        assert "evil" not in {n["id"] for n in _nodes(s)["nodes"]}
+        for sock in socks:
+            sock.close(linger=0)
+    finally:
+        ctx.term()
+
+
+def test_remote_placement_without_keys_refuses_to_start(checkpoint: Path) -> None:
+    cmd = [sys.executable, "-m", "safeserve.cli", "serve", "--placement", "remote"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert "--curve-keys-dir" in r.stderr and "--insecure-nodes" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
