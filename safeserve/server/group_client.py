@@ -98,6 +98,7 @@ class GroupClient:
         self.args = args
         self.hub = hub
         self.incarnation = next(_INCARNATIONS)
+        self.node_lost = False  # failed because a node agent running its ranks was lost
         self._link: RemoteLink | None = None
         self.group = group
         self.metrics = metrics
@@ -465,6 +466,7 @@ class GroupClient:
         verdict = self._lost_verdict()
         if verdict is None:
             return False
+        self.node_lost = True
         self._record(verdict)
         self._fail(f"watchdog: dead: {verdict.reason}")
         return True
@@ -514,6 +516,7 @@ class GroupClient:
             return
         if lost is not None:
             verdict = lost
+            self.node_lost = True
         elif deaths:
             verdict = deaths[0]
         else:  # the reporter has not exited (yet): its report is the cause all the same

@@ -332,12 +332,7 @@ class NodeHub:
         old = self.nodes.get(msg.node_id)
         if old is not None and old.agent_id == msg.agent_id:  # reconnected (a partition healed)
             old.identity, old.last_beat = identity, time.monotonic()
-            if old.lost is not None:
-                logger.warning("node %s is back (was lost: %s)", msg.node_id, old.lost)
-                old.lost = None
-                old.used.clear()  # its old incarnations stopped when its lease lapsed
-            self._changed.set()
-            self.on_change()
+            self._back(old)
             return
         if old is not None:
             self._lose(old, "restarted (a new agent)")
@@ -354,10 +349,21 @@ class NodeHub:
         self._changed.set()
         self.on_change()
 
+    def _back(self, node: Node) -> None:
+        """A lost node heard from again (its connection healed, or it thawed): its devices are
+        offered anew; the incarnations it ran were fenced, and its lease stopped their ranks
+        (any still running are stopped on its next beat)."""
+        if node.lost is not None:
+            logger.warning("node %s is back (was lost: %s)", node.node_id, node.lost)
+            node.lost = None
+            node.used.clear()
+        self._changed.set()
+        self.on_change()
+
     def _beat(self, node: Node, msg: NodeBeat) -> None:
         node.last_beat = time.monotonic()
         if node.lost is not None:
-            return  # a lost node comes back with a NodeHello (it sends one on every connect)
+            self._back(node)
         self.send(node, NodeLease(self.args.node_lease_s, msg.sent))
         # incarnations it runs that the frontend has let go of: stop them
         for group, inc in msg.groups:

@@ -180,9 +180,11 @@ class Supervisor:
         now = time.monotonic()
         self.failures_total += 1
         self.metrics.group_failures.labels(str(self.group)).inc()
-        self.failures = [t for t in self.failures if now - t < self.args.crash_loop_window_s] + [
-            now
-        ]
+        self.failures = [t for t in self.failures if now - t < self.args.crash_loop_window_s]
+        # A node agent lost (killed, frozen, cut off) is the host's failure, not the group's:
+        # it does not count toward a crash loop (the group restarts once devices are back).
+        if self.client is None or not self.client.node_lost:
+            self.failures.append(now)
         self.last_reason = reason
         self._set(SupervisorState.FAILED)
         if len(self.failures) >= self.args.crash_loop_failures:

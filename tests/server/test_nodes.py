@@ -30,6 +30,7 @@ from serving import admin_groups, die_with_parent, free_port, sse_chunk, start_s
 from transformers import AutoModelForCausalLM
 
 from safeserve import messages as m
+from safeserve.chaos.proxy import TcpProxy
 from safeserve.wire import codec, keys
 
 N, TOKENS = 6, 20
@@ -49,9 +50,10 @@ def _greedy(hf, ids: list[int]) -> list[int]:  # type: ignore[no-untyped-def]
     return ids[-TOKENS:]
 
 
-def _agent(node: str, node_port: int, key_dir: Path, log: Path) -> subprocess.Popen:
+def _agent(node: str, port: int, key_dir: Path, log: Path) -> subprocess.Popen:
+    """Agent `node`, reaching the frontend at `port` (its own proxy's)."""
     host, devices = NODES[node]
-    cmd = [sys.executable, "-m", "safeserve.cli", "node", "--frontend", f"127.0.0.1:{node_port}"]
+    cmd = [sys.executable, "-m", "safeserve.cli", "node", "--frontend", f"127.0.0.1:{port}"]
     cmd += ["--node-id", node, "--host", host, "--devices", devices]
     cmd += ["--curve-keys-dir", str(key_dir)]
     return subprocess.Popen(
@@ -88,7 +90,9 @@ def cluster(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):  # type
     key_dir = d / "keys"
     keys.generate(key_dir)
     node_port = free_port()
-    agents = {n: _agent(n, node_port, key_dir, d / f"node-{n}.log") for n in NODES}
+    # every agent reaches the frontend through its own proxy: a partition cuts one node off
+    proxies = {n: TcpProxy(("127.0.0.1", node_port)) for n in NODES}
+    agents = {n: _agent(n, proxies[n].port, key_dir, d / f"node-{n}.log") for n in NODES}
     args = ["--model", str(checkpoint), "--dtype", "float32", "--placement", "remote"]
     args += ["--curve-keys-dir", str(key_dir), "--node-port", str(node_port)]
     args += ["--num-groups", "2", "--tp-size", "2", "--moe-a2a-backend", "alltoall"]
@@ -100,12 +104,14 @@ def cluster(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):  # type
         while not all(g["state"] == "READY" for g in admin_groups(s)):
             assert time.monotonic() < deadline, admin_groups(s)
             time.sleep(0.2)
-        yield s, agents, key_dir, node_port, d
+        yield s, agents, key_dir, node_port, d, proxies
     finally:
         if s is not None:
             stop_server(s.proc)
         for p in agents.values():
             _kill_tree(p)
+        for x in proxies.values():
+            x.close()
 
 
 def test_groups_on_agents_serve_transformers_greedy(cluster, checkpoint: Path) -> None:  # type: ignore[no-untyped-def]
@@ -181,7 +187,7 @@ async def _streams(url: str, model: str, started_after: int, fault) -> list[dict
 
 
 def test_node_loss_costs_its_group_only_and_no_request(cluster, checkpoint: Path) -> None:  # type: ignore[no-untyped-def]
-    s, agents, key_dir, node_port, d = cluster
+    s, agents, key_dir, node_port, d, proxies = cluster
     hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     ref = [_greedy(hf, _prompt(i)) for i in range(N)]
     victim = "b"  # holds a rank of the spanning group
@@ -203,7 +209,7 @@ def test_node_loss_costs_its_group_only_and_no_request(cluster, checkpoint: Path
     other = 1 - spanning
     assert next(x for x in admin_groups(s) if x["id"] == other)["state"] == "READY"
     # the node comes back: the group is READY again within 60 s
-    agents[victim] = _agent(victim, node_port, key_dir, d / f"node-{victim}-2.log")
+    agents[victim] = _agent(victim, proxies[victim].port, key_dir, d / f"node-{victim}-2.log")
     back = time.monotonic()
     while next(x for x in admin_groups(s) if x["id"] == spanning)["state"] != "READY":
         assert time.monotonic() - back < 60, admin_groups(s)
@@ -212,22 +218,120 @@ def test_node_loss_costs_its_group_only_and_no_request(cluster, checkpoint: Path
 
 
 def test_node_loss_is_detected_within_2_s(cluster) -> None:  # type: ignore[no-untyped-def]
-    s, agents, key_dir, node_port, d = cluster
+    s, agents, key_dir, node_port, d, proxies = cluster
     victim = "c"
     _kill_tree(agents[victim])
     killed = time.monotonic()
     while next(n for n in _nodes(s)["nodes"] if n["id"] == victim)["state"] != "LOST":
         assert time.monotonic() - killed < 2.0
         time.sleep(0.05)
-    agents[victim] = _agent(victim, node_port, key_dir, d / f"node-{victim}-3.log")
+    agents[victim] = _agent(victim, proxies[victim].port, key_dir, d / f"node-{victim}-3.log")
     deadline = time.monotonic() + 60
     while not all(g["state"] == "READY" for g in admin_groups(s)):
         assert time.monotonic() < deadline, admin_groups(s)
         time.sleep(0.2)
 
 
+def _placement(s) -> dict[str, set[int]]:  # type: ignore[no-untyped-def]
+    """node -> the groups it runs ranks of."""
+    return {n["id"]: {r["group"] for r in n["ranks"]} for n in _nodes(s)["nodes"]}
+
+
+def _rank_pids(s, group: int) -> list[int]:  # type: ignore[no-untyped-def]
+    (g,) = [g for g in admin_groups(s) if g["id"] == group]
+    return [r["pid"] for r in g["ranks"]]
+
+
+def _gone(pids: list[int]) -> bool:
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                return False
+        except psutil.NoSuchProcess:
+            pass
+    return True
+
+
+def _wait_ready(s, within: float) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + within
+    while not all(g["state"] == "READY" for g in admin_groups(s)):
+        assert time.monotonic() < deadline, admin_groups(s)
+        time.sleep(0.2)
+    assert all(n["state"] == "READY" for n in _nodes(s)["nodes"]), _nodes(s)
+
+
+def test_partition_costs_one_group_and_its_ranks_stop_by_the_lease(
+    cluster, checkpoint: Path
+) -> None:  # type: ignore[no-untyped-def]
+    s, agents, key_dir, node_port, d, proxies = cluster
+    _wait_ready(s, 60)
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    ref = [_greedy(hf, _prompt(i)) for i in range(N)]
+    victim = "b"
+    (group,) = _placement(s)[victim]
+    pids = _rank_pids(s, group)
+    cut_at: list[float] = []
+
+    def fault() -> None:
+        cut_at.append(time.monotonic())
+        proxies[victim].partition()
+
+    results = asyncio.run(_streams(s.url, str(checkpoint), N, fault))
+    for i, r in enumerate(results):
+        assert not r["errors"], r["errors"]
+        assert r["ids"] == ref[i], i  # none lost or repeated: a cut-off group returns nothing
+    lease = _nodes(s)["lease_s"]
+    node = next(n for n in _nodes(s)["nodes"] if n["id"] == victim)
+    assert node["state"] == "LOST" and "lease" in node["lost_reason"], node
+    # the cut-off group's ranks are gone by the lease deadline: the agent stops its own, the
+    # frontend's fence stops those on the other node
+    while not _gone(pids):
+        assert time.monotonic() < cut_at[0] + lease + 1.0, pids
+        time.sleep(0.05)
+    proxies[victim].heal()
+    _wait_ready(s, 60)
+
+
+def test_frozen_node_costs_one_group_and_its_ranks_stop_when_it_thaws(
+    cluster, checkpoint: Path
+) -> None:  # type: ignore[no-untyped-def]
+    s, agents, key_dir, node_port, d, proxies = cluster
+    _wait_ready(s, 60)
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    ref = [_greedy(hf, _prompt(i)) for i in range(N)]
+    victim = "a"
+    (group,) = _placement(s)[victim]
+    pids = _rank_pids(s, group)
+    tree = [agents[victim].pid] + [
+        c.pid for c in psutil.Process(agents[victim].pid).children(recursive=True)
+    ]
+    stopped_at: list[float] = []
+
+    def fault() -> None:
+        stopped_at.append(time.monotonic())
+        for pid in tree:
+            os.kill(pid, signal.SIGSTOP)
+
+    try:
+        results = asyncio.run(_streams(s.url, str(checkpoint), N, fault))
+        for i, r in enumerate(results):
+            assert not r["errors"], r["errors"]
+            assert r["ids"] == ref[i], i
+        node = next(n for n in _nodes(s)["nodes"] if n["id"] == victim)
+        assert node["state"] == "LOST", node
+    finally:
+        thawed = time.monotonic()
+        for pid in tree:
+            os.kill(pid, signal.SIGCONT)
+    # thawed past its lease, the agent stops its ranks at once (none of their tokens counts)
+    while not _gone(pids):
+        assert time.monotonic() < thawed + 2.0, pids
+        time.sleep(0.05)
+    _wait_ready(s, 60)
+
+
 def test_a_client_without_the_keys_registers_nothing(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    s, agents, key_dir, node_port, d = cluster
+    s, agents, key_dir, node_port, d, proxies = cluster
     other = tmp_path / "other"
     keys.generate(other)
     stranger = keys.load(other, keys.NODE)

@@ -1,0 +1,85 @@
+"""A TCP proxy that can cut a link the way a network partition does (chaos fault `partition`).
+
+A node agent that connects to the frontend through it (its `--frontend` is the proxy's port)
+can be cut off: `partition()` stops forwarding in both directions without closing anything (no
+FIN, no RST: the bytes are dropped, as a broken switch or a firewall would), and connections made
+meanwhile are accepted and dropped likewise. Neither end learns of it except by silence, so the
+frontend's lease and the agent's lease are what notice. `heal()` closes the connections that
+lost bytes (their streams cannot resume mid-frame) and forwards again, so the agent reconnects.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+
+
+class TcpProxy:
+    def __init__(self, target: tuple[str, int], listen_host: str = "127.0.0.1") -> None:
+        self.target = target
+        self._listener = socket.create_server((listen_host, 0))
+        self.port = self._listener.getsockname()[1]
+        self.cut = False
+        self._lock = threading.Lock()
+        self._conns: list[socket.socket] = []
+        self._closed = False
+        threading.Thread(target=self._accept, name="proxy-accept", daemon=True).start()
+
+    def partition(self) -> None:
+        """Drop every byte both ways from now on (connections stay open)."""
+        self.cut = True
+
+    def heal(self) -> None:
+        """Forward again: the connections cut mid-stream are closed, new ones go through."""
+        with self._lock:
+            conns, self._conns = self._conns, []
+            self.cut = False
+        for c in conns:
+            _close(c)
+
+    def close(self) -> None:
+        self._closed = True
+        _close(self._listener)
+        self.heal()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(self.target, timeout=5)
+                upstream.settimeout(None)
+            except OSError:
+                _close(client)
+                continue
+            with self._lock:
+                self._conns += [client, upstream]
+            for src, dst in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        while True:
+            try:
+                data = src.recv(65536)
+            except OSError:
+                break
+            if not data:
+                break
+            if self.cut:
+                continue  # partitioned: the bytes go nowhere
+            try:
+                dst.sendall(data)
+            except OSError:
+                break
+        _close(src)
+        _close(dst)
+
+
+def _close(s: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        s.shutdown(socket.SHUT_RDWR)
+    with contextlib.suppress(OSError):
+        s.close()
