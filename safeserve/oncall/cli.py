@@ -1,8 +1,8 @@
 """`safeserve oncall VERB NOUN`: the on-call engineer's view of a running server, through its
 admin API (a thin client: every decision and check stays in the server).
 
-    safeserve oncall get groups|ranks|suspects|quarantine [-o json]
-    safeserve oncall describe group N
+    safeserve oncall get groups|ranks|nodes|suspects|quarantine [-o json]
+    safeserve oncall describe group N | describe node NAME
     safeserve oncall drain|undrain|restart group N [--dry-run]
     safeserve oncall lift quarantine FINGERPRINT|--all [--dry-run]
     safeserve oncall runbook [NAME]
@@ -26,11 +26,13 @@ def add_oncall_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--admin-api-key", help="its Bearer key (default: $SAFESERVE_ADMIN_API_KEY)")
     sub = p.add_subparsers(dest="verb", required=True)
     get = sub.add_parser("get", help="one row per group, rank, suspect or quarantined request")
-    get.add_argument("noun", choices=("groups", "ranks", "suspects", "quarantine"))
+    get.add_argument("noun", choices=("groups", "ranks", "nodes", "suspects", "quarantine"))
     get.add_argument("-o", "--output", choices=("table", "json"), default="table")
-    desc = sub.add_parser("describe", help="a group: ranks, verdicts, events, runbooks")
-    desc.add_argument("noun", choices=("group",))
-    desc.add_argument("id", type=int)
+    desc = sub.add_parser(
+        "describe", help="a group (ranks, verdicts, events, runbooks) or a node agent"
+    )
+    desc.add_argument("noun", choices=("group", "node"))
+    desc.add_argument("id", help="the group's number or the node's name")
     desc.add_argument("-o", "--output", choices=("table", "json"), default="table")
     for verb, text in (
         ("drain", "stop sending new requests to a group; in-flight ones finish"),
@@ -82,6 +84,18 @@ def main(ns: argparse.Namespace) -> int:
         elif ns.verb == "lift":
             r = client.lift(ns.fingerprint, ns.dry_run)
             print(json.dumps(r, indent=1) if ns.output == "json" else views.lift_lines(r))
+        elif ns.verb == "get" and ns.noun == "nodes":
+            view = client.nodes()
+            print(json.dumps(view, indent=1) if ns.output == "json" else views.nodes_table(view))
+        elif ns.verb == "describe" and ns.noun == "node":
+            view = client.nodes()
+            if not any(n["id"] == ns.id for n in view["nodes"]):
+                names = sorted(n["id"] for n in view["nodes"])
+                raise Refused(404, f"no node {ns.id!r}; nodes are {names}")
+            if ns.output == "json":
+                print(json.dumps(next(n for n in view["nodes"] if n["id"] == ns.id), indent=1))
+            else:
+                print(views.describe_node(view, ns.id, client.groups()))
         elif ns.verb == "get":
             groups = client.groups()
             if ns.output == "json":
@@ -91,11 +105,17 @@ def main(ns: argparse.Namespace) -> int:
                     views.groups_table(groups) if ns.noun == "groups" else views.ranks_table(groups)
                 )
         elif ns.verb == "describe":
+            if not ns.id.isdigit():
+                print(
+                    f"safeserve oncall: error: a group is a number, got {ns.id!r}", file=sys.stderr
+                )
+                return 2
+            gid = int(ns.id)
             groups = client.groups()
-            g = next((x for x in groups if x["id"] == ns.id), None)
+            g = next((x for x in groups if x["id"] == gid), None)
             if g is None:
                 ids = sorted(x["id"] for x in groups)
-                raise Refused(404, f"no group {ns.id}; groups are {ids}")
+                raise Refused(404, f"no group {gid}; groups are {ids}")
             print(
                 json.dumps(g, indent=1) if ns.output == "json" else views.describe_group(g, groups)
             )

@@ -47,6 +47,10 @@ class AdminClient:
     def groups(self) -> list[dict[str, Any]]:
         return self._call("GET", "/admin/groups")["groups"]
 
+    def nodes(self) -> dict[str, Any]:
+        """The node agents (--placement remote): placement, lease, nodes, refused frames."""
+        return self._call("GET", "/admin/nodes")
+
     def config(self) -> dict[str, Any]:
         return self._call("GET", "/admin/config")
 

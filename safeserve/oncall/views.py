@@ -140,6 +140,65 @@ def _graph_replays(rank: dict[str, Any]) -> str | None:
     return f"{'-' if decode is None else decode}/{'-' if piecewise is None else piecewise}"
 
 
+def nodes_table(view: dict[str, Any]) -> str:
+    """`get nodes`: one row per node agent."""
+    if view.get("placement") != "remote":
+        return "no node agents: this server places its groups locally (--placement local)"
+    rows = []
+    for n in view["nodes"]:
+        groups = sorted({r["group"] for r in n["ranks"]})
+        rows.append(
+            [
+                n["id"],
+                n["state"],
+                n["host"],
+                ",".join(map(str, n["devices"])),
+                len(n["free_devices"]),
+                ",".join(map(str, groups)) or None,
+                f"{n['beat_age_s']:.1f}s",
+                n["agent_pid"],
+                n["lost_reason"],
+            ]
+        )
+    header = ["NODE", "STATE", "HOST", "DEVICES", "FREE", "GROUPS", "BEAT", "AGENT-PID", "REASON"]
+    return table(header, rows)
+
+
+def describe_node(view: dict[str, Any], node_id: str, groups: list[dict[str, Any]]) -> str:
+    """`describe node NAME`: its devices and ranks, its lease, and the runbook to follow when it
+    is lost."""
+    n = next(x for x in view["nodes"] if x["id"] == node_id)
+    lines = [
+        f"Node:        {n['id']} ({n['state']})",
+        f"Host:        {n['host']} (agent pid {n['agent_pid']})",
+        f"Devices:     {', '.join(map(str, n['devices']))} ({len(n['free_devices'])} free)",
+        f"Last beat:   {n['beat_age_s']:.1f}s ago (lease {view['lease_s']:g}s)",
+    ]
+    if n["lost_reason"]:
+        lines.append(f"Lost:        {n['lost_reason']}")
+    lines.append("Ranks:")
+    states = {g["id"]: g["state"] for g in groups}
+    if not n["ranks"]:
+        lines.append("  (none)")
+    for r in n["ranks"]:
+        state = states.get(r["group"], "?")
+        lines.append(
+            f"  device {r['device']}: group {r['group']} ({state}), incarnation {r['incarnation']}"
+        )
+    refused = view.get("refused") or {}
+    if refused:
+        lines.append(
+            "Refused:     "
+            + ", ".join(f"{k} {v}" for k, v in sorted(refused.items()))
+            + " (frames or handshakes from anyone, not only this node)"
+        )
+    if n["state"] == "LOST":
+        why = n["lost_reason"] or ""
+        book = "partition" if "lease" in why else "node-lost"
+        lines.append(f"Runbook:     {book} (safeserve oncall runbook {book})")
+    return "\n".join(lines)
+
+
 def runbooks_for(
     g: dict[str, Any], all_groups: list[dict[str, Any]], now: float
 ) -> list[tuple[str, str]]:
@@ -150,6 +209,8 @@ def runbooks_for(
     seen = set()
     for v in reversed(g.get("verdicts", [])):
         name = RUNBOOK_FOR_VERDICT.get(v["kind"])
+        if v["kind"] == "dead" and "node " in v.get("reason", "") and " lost" in v["reason"]:
+            name = "node-lost"  # the rank's node agent was lost (killed, frozen, cut off)
         if name and name not in seen and now - v["at"] <= RECENT_S:
             seen.add(name)
             out.append(

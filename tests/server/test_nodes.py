@@ -26,7 +26,15 @@ import psutil
 import pytest
 import torch
 import zmq
-from serving import admin_groups, die_with_parent, free_port, sse_chunk, start_server, stop_server
+from serving import (
+    admin_groups,
+    die_with_parent,
+    free_port,
+    oncall,
+    sse_chunk,
+    start_server,
+    stop_server,
+)
 from transformers import AutoModelForCausalLM
 
 from safeserve import messages as m
@@ -208,6 +216,15 @@ def test_node_loss_costs_its_group_only_and_no_request(cluster, checkpoint: Path
     assert g["failures"] >= 1
     other = 1 - spanning
     assert next(x for x in admin_groups(s) if x["id"] == other)["state"] == "READY"
+    # the on-call view: the node LOST, and the runbook its group's verdict points to
+    listing = oncall(s, "get", "nodes").stdout
+    row = next(line for line in listing.splitlines() if line.startswith(victim + " "))
+    assert "LOST" in row
+    described = oncall(s, "describe", "node", victim)
+    assert described.returncode == 0, described.stderr
+    assert "Runbook:     node-lost" in described.stdout
+    assert "node-lost" in oncall(s, "describe", "group", str(spanning)).stdout
+    assert oncall(s, "describe", "node", "nosuch").returncode == 1
     # the node comes back: the group is READY again within 60 s
     agents[victim] = _agent(victim, proxies[victim].port, key_dir, d / f"node-{victim}-2.log")
     back = time.monotonic()
