@@ -21,10 +21,10 @@ from safeserve.engine import rank_graphs
 from safeserve.engine.cuda_graph import DecodeCudaGraphs
 from safeserve.engine.kv_cache import KVCache, kv_cache_dtype
 from safeserve.engine.logprobs import prompt_logprobs, sampled_logprobs
-from safeserve.engine.outcome import RankResult, apply_request_faults
+from safeserve.engine.outcome import RankResult, StepFailed, apply_request_faults
 from safeserve.engine.overlap import cut_pieces
 from safeserve.engine.piecewise_graph import PiecewiseCudaGraphs
-from safeserve.engine.plan import Faults, SeqPlan, StepPlan
+from safeserve.engine.plan import EplbCollect, EplbMove, EplbRankReport, Faults, SeqPlan, StepPlan
 from safeserve.engine.rank_eplb import RankEplb
 from safeserve.engine.rank_setup import (
     admission_buffers,
@@ -37,15 +37,30 @@ from safeserve.engine.sampler import sample
 from safeserve.kernels.common import set_pdl
 from safeserve.layers.block_tables import TableUpload
 from safeserve.layers.paged_attention import AttentionMetadata
-from safeserve.messages import GuardSizing, RankStats
+from safeserve.messages import GuardSizing, RankStats, SamplingParams, TokenLogprob
 from safeserve.model import registry
 from safeserve.model.loader import build_model, load_model_config
 from safeserve.model.sharding import expert_split, moe_layers, starting_expert_map
 from safeserve.moe.dispatch import StepTokens, make_dispatcher
 from safeserve.moe.expert_map import ExpertMap
 from safeserve.parallel.comm import Comm, Layout
+from safeserve.wire.tree import TreeCodec
 
 logger = logging.getLogger(__name__)
+
+# What a group's ranks send each other on the control plane (plans, results, agreed numbers).
+CONTROL_CLASSES = (
+    StepPlan,
+    SeqPlan,
+    SamplingParams,
+    Faults,
+    EplbCollect,
+    EplbMove,
+    EplbRankReport,
+    RankResult,
+    StepFailed,
+    TokenLogprob,
+)
 
 PhaseCallback = Callable[[int, str], None]
 
@@ -70,6 +85,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.comm = Comm(self.layout, self.device)
+        if args.placement == "remote":  # ranks on several hosts: no pickle between them
+            self.comm.codec = TreeCodec(CONTROL_CLASSES)
         if self.comm.active:
             assert init_method is not None
             self.comm.init(init_method)

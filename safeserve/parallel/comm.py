@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from safeserve.parallel.layout import Layout
+from safeserve.wire.tree import TreeCodec
 
 # A collective is never waited out: the watchdog fences a group long before this.
 _COLLECTIVE_TIMEOUT = datetime.timedelta(hours=2)
@@ -51,6 +52,7 @@ class Comm:
         # Host time spent inside collectives (waiting for peers, mostly): the watchdog's "own
         # step time" of a rank is its step time minus this.
         self.wait_s = 0.0
+        self.codec: TreeCodec | None = None  # the control plane's encoding across hosts
 
     @contextmanager
     def _waiting(self) -> Iterator[None]:
@@ -183,9 +185,14 @@ class Comm:
                 work.wait()
 
     # -- control plane (CPU) --------------------------------------------------------------------
+    # With a `codec` (a group whose ranks may run on several hosts: --placement remote) objects
+    # travel in its closed-world encoding (`wire/tree.py`) as byte tensors; without, pickled by
+    # torch.distributed's object collectives.
     def broadcast_object(self, obj: object) -> object:
         if not self.active:
             return obj
+        if self.codec is not None:
+            return self._broadcast_encoded(obj)
         box = [obj]
         with self._waiting():
             dist.broadcast_object_list(box, src=0, group=self.cpu_group)
@@ -195,7 +202,45 @@ class Comm:
         """Every rank's object on the leader (None elsewhere)."""
         if not self.active:
             return [obj]
+        if self.codec is not None:
+            return self._gather_encoded(obj)
         out: list[object] | None = [None] * self.world if self.layout.rank == 0 else None
         with self._waiting():
             dist.gather_object(obj, out, dst=0, group=self.cpu_group)
         return out
+
+    def _broadcast_encoded(self, obj: object) -> object:
+        assert self.codec is not None
+        leader = self.layout.rank == 0
+        data = self.codec.encode(obj) if leader else b""
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        with self._waiting():
+            dist.broadcast(size, src=0, group=self.cpu_group)
+            buf = (
+                torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                if leader
+                else torch.empty(int(size.item()), dtype=torch.uint8)
+            )
+            if buf.numel():
+                dist.broadcast(buf, src=0, group=self.cpu_group)
+        return obj if leader else self.codec.decode(buf.numpy().tobytes())
+
+    def _gather_encoded(self, obj: object) -> list[object] | None:
+        assert self.codec is not None
+        data = self.codec.encode(obj)
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
+        with self._waiting():
+            dist.all_gather(sizes, size, group=self.cpu_group)
+            width = max(int(s.item()) for s in sizes)
+            padded = torch.zeros(width, dtype=torch.uint8)
+            padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            leader = self.layout.rank == 0
+            parts = [torch.empty(width, dtype=torch.uint8) for _ in range(self.world)]
+            dist.gather(padded, parts if leader else None, dst=0, group=self.cpu_group)
+        if not leader:
+            return None
+        return [
+            self.codec.decode(p[: int(n.item())].numpy().tobytes())
+            for p, n in zip(parts, sizes, strict=True)
+        ]
