@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -101,7 +102,9 @@ def env_source(c: dict, flag: str) -> str | None:
     return None
 
 
-def strict_parse(add_args, argv: list[str], what: str) -> argparse.Namespace:  # type: ignore[no-untyped-def]
+def strict_parse(
+    add_args: Callable[[argparse.ArgumentParser], None], argv: list[str], what: str
+) -> argparse.Namespace:
     """`argv` through a parser of exactly these flags, no abbreviations (a renamed flag must not
     pass as the prefix of its new name)."""
     p = argparse.ArgumentParser(prog=what, allow_abbrev=False, exit_on_error=False)
@@ -144,9 +147,10 @@ def labels_match(selector: dict, labels: dict) -> bool:
 
 def volume_at(pod: dict, path: str) -> tuple[dict, dict]:
     """(volume mount, volume) of the container mounting exactly `path`."""
-    (mount,) = [m for m in container(pod)["volumeMounts"] if m["mountPath"] == path]
-    (vol,) = [v for v in pod["spec"]["volumes"] if v["name"] == mount["name"]]
-    return mount, vol
+    mounts = [m for m in container(pod)["volumeMounts"] if m["mountPath"] == path]
+    assert len(mounts) == 1, f"{container(pod)['name']}: no one volume mounted at {path}"
+    (vol,) = [v for v in pod["spec"]["volumes"] if v["name"] == mounts[0]["name"]]
+    return mounts[0], vol
 
 
 @pytest.fixture(scope="module")
@@ -195,11 +199,10 @@ def test_kubectl_kustomize_renders_with_the_image_set() -> None:
 def test_serve_flags_are_real_and_valid(docs: list[dict]) -> None:
     from safeserve.cli import build_parser
 
-    c = container(frontend_pod(docs))
-    ns = build_parser(["serve"]).parse_args(["serve", *expanded(c)])
-    assert ns.command == "serve"
-    args = serve_args(docs)
+    args = serve_args(docs)  # flag for flag first: its failure names the flag
     args.validate()
+    c = container(frontend_pod(docs))
+    assert build_parser(["serve"]).parse_args(["serve", *expanded(c)]).command == "serve"
     assert args.placement == "remote" and not args.insecure_nodes
     assert args.curve_keys_dir and args.host == "0.0.0.0" and args.node_host == "0.0.0.0"
     assert args.admin_host in LOOPBACK_HOSTS or args.admin_api_key
@@ -231,9 +234,8 @@ def test_node_flags_are_real_and_valid(docs: list[dict]) -> None:
     node_port = serve_args(docs).node_port
     for pod in agent_pods(docs):
         c = container(pod)
-        ns = build_parser(["node"]).parse_args(["node", *expanded(c)])
-        assert ns.command == "node"
-        ns = node_args(pod)
+        ns = node_args(pod)  # flag for flag first: its failure names the flag
+        assert build_parser(["node"]).parse_args(["node", *expanded(c)]).command == "node"
         assert parse_devices(ns.devices) and not ns.insecure and ns.curve_keys_dir
         # the node id is the pod's name, the rendezvous address the pod's IP
         assert env_source(c, "--node-id") == "metadata.name"
