@@ -271,7 +271,7 @@ def test_ports_are_the_flags_ports(docs: list[dict]) -> None:
     assert set(targets) == ports - {admin}, "every port but the admin API's has a Service"
     nodes = targets[args.node_port]["spec"]
     # agents must reach a frontend that is not ready yet (it turns ready through them), and a
-    # stable address (ZeroMQ resolves the name once)
+    # address that stays when the frontend's pod is replaced (no headless Service)
     assert nodes.get("publishNotReadyAddresses") is True
     assert nodes.get("clusterIP") != "None"
     assert targets[args.port] is not targets[args.node_port]
