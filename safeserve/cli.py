@@ -78,7 +78,9 @@ def _serve(ns: argparse.Namespace) -> int:
         if (table_error := _fused_moe_table_error()) is not None:
             print(f"safeserve: error: {table_error}", file=sys.stderr)
             return 2
-        if args.device == "cuda":
+        # --placement remote: the ranks run on the node agents' devices, not this host's (a
+        # frontend pod holds no GPU); an agent's rank that cannot use its device fails its group.
+        if args.device == "cuda" and args.placement == "local":
             import torch
 
             needed = 1 + max(

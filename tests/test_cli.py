@@ -293,3 +293,34 @@ def test_fp8_kv_cache_on_a_gpu_without_fp8_is_refused_before_start(
     assert rc == 2
     assert "--kv-cache-dtype fp8_e4m3 needs FP8 support (compute capability 8.9 or newer)" in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_remote_placement_needs_no_local_cuda_device(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """--placement remote --device cuda on a host without GPUs (a frontend pod): the ranks run
+    on the node agents' devices, so the local device count is not checked (the start is cut
+    short where the app would be built)."""
+    import logging
+
+    import torch
+
+    from safeserve import cli
+    from safeserve.ports import free_port
+    from safeserve.server import app as server_app
+    from safeserve.wire import keys
+
+    def stop_here(*a: object, **kw: object) -> None:
+        raise OSError("stopped before the app was built")
+
+    monkeypatch.setattr(logging, "basicConfig", lambda **kw: None)  # leave the root logger be
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(server_app, "build_app", stop_here)
+    keys.generate(tmp_path / "keys")
+    argv = ["serve", "--device", "cuda", "--placement", "remote", "--num-groups", "2"]
+    argv += ["--tp-size", "2", "--curve-keys-dir", str(tmp_path / "keys")]
+    argv += ["--port", "0", "--admin-port", "0", "--node-port", str(free_port("127.0.0.1"))]
+    rc = cli.main(argv)
+    err = capsys.readouterr().err
+    assert rc == 2 and "stopped before the app was built" in err, err
+    assert "CUDA devices" not in err
