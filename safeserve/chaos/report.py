@@ -1,7 +1,7 @@
 """What a chaos run proved: requests sent / succeeded / failed / lost, detection, recovery and
 the other groups' goodput per fault, the guards' numbers, and each goal met or missed.
 
-Definitions (README.md, Chaos runs):
+Definitions (docs/operations.md, Chaos runs):
 - *succeeded*: HTTP 200, no error event, a finish reason and every one of `max_tokens` tokens;
   *failed*: the server said no (an error status or error event; the client knows to retry);
   *lost*: anything else (a stream cut without an error, missing tokens): the outcome we forbid.
