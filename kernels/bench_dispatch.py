@@ -28,6 +28,7 @@ from safeserve.moe.dispatch import AllToAllDispatcher, CombineInput, StepTokens 
 from safeserve.moe.placement import ExpertPlacement  # noqa: E402
 from safeserve.moe.topk import TopKOutput  # noqa: E402
 from safeserve.parallel.comm import Comm, Layout  # noqa: E402
+from safeserve.parallel.schedule import drive  # noqa: E402
 
 
 def _time(fn, iters: int, warmup: int, device: torch.device) -> float:
@@ -53,15 +54,11 @@ def _worker(rank: int, world: int, init: str, args: argparse.Namespace) -> list[
 
         def step(x=x, topk=topk, tokens=tokens) -> None:
             disp.begin_step(StepTokens([tokens] * world, replicated=False))
-            state = disp.prepare(x, topk)
-            for r in range(disp.num_rounds(state)):
-                d = disp.dispatch(state, r)
-                disp.combine(state, r, CombineInput(d.hidden_states))
-            disp.finish(state)
+            disp.run(x, topk, lambda d: CombineInput(d.hidden_states))  # experts: the identity
 
         t_ours = _time(step, args.iters, args.warmup, device)
         disp.begin_step(StepTokens([tokens] * world, replicated=False))
-        counts = disp.prepare(x, topk).counts  # [source rank][destination rank] rows
+        counts = drive(disp.prepare(x, topk)).counts  # [source rank][destination rank] rows
         sent_rows = sum(counts[rank])
         recv_rows = sum(row[rank] for row in counts)
         remote_rows = sent_rows - counts[rank][rank]

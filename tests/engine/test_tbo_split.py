@@ -157,7 +157,13 @@ def _leader(
     """An Engine that can build plans and report stats: a real scheduler, a group of `tp` ranks
     as its leader's runner describes it (layout and decode graphs only; no model, no group)."""
     engine = object.__new__(Engine)  # build_plan and stats need nothing else
-    engine.args = ServerArgs(tp_size=tp, ep_size=tp, enable_dp_attention=dp_attention, **flags)  # type: ignore[arg-type]
+    engine.args = ServerArgs(  # type: ignore[arg-type]
+        tp_size=tp,
+        ep_size=tp,
+        moe_a2a_backend="alltoall",
+        enable_dp_attention=dp_attention,
+        **flags,
+    )
     engine.runner = SimpleNamespace(layout=Layout(0, tp, tp, dp_attention), cuda_graphs=graphs)  # type: ignore[assignment]
     dp = tp if dp_attention else 1
     engine.scheduler = Scheduler([BlockAllocator(64, 4) for _ in range(dp)], 64, 256, 256)
