@@ -15,6 +15,8 @@ from safeserve.moe.eplb.balancedness import WINDOWS as BALANCE_WINDOWS
 from safeserve.moe.eplb.balancedness import group_balancedness
 from safeserve.server.state import ServerState
 
+NODE_STATES = ("READY", "LOST")
+
 
 def refresh_gauges(state: ServerState) -> None:
     m = state.metrics
@@ -58,6 +60,14 @@ def refresh_gauges(state: ServerState) -> None:
                 with contextlib.suppress(KeyError):
                     m.eplb_balancedness.remove(label, str(window))
     m.in_flight.set(len(state.generator.active) if state.generator else 0)
+    hub = state.hub
+    if hub is not None:
+        for n in hub.nodes.values():
+            current = "LOST" if n.lost is not None else "READY"
+            for st in NODE_STATES:
+                m.node_state.labels(n.node_id, st).set(1 if st == current else 0)
+        for reason, count in (hub.reader.refused + hub.handshakes).items():
+            m.node_refused.labels(reason).set(count)
 
 
 def _eplb_gauges(state: ServerState, label: str, st: EplbStatus | None) -> None:

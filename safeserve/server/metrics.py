@@ -251,6 +251,21 @@ METRICS: tuple[MetricSpec, ...] = (
         "group_state", Gauge, "group_state", "1 for a group's current state.", ("group", "state")
     ),
     MetricSpec(
+        "node_state",
+        Gauge,
+        "node_state",
+        "1 for a node agent's current state, READY or LOST (--placement remote).",
+        ("node", "state"),
+    ),
+    MetricSpec(
+        "node_refused",
+        Gauge,
+        "node_refused",
+        "Frames and handshakes refused on the node port since start, by reason (malformed, "
+        "unknown_type, replayed, unknown_sender, handshake_auth, ...).",
+        ("reason",),
+    ),
+    MetricSpec(
         "group_failures",
         Counter,
         "group_failures",

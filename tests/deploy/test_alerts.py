@@ -247,6 +247,20 @@ CASES = [
     ),
     *(_verdict(kind) for kind in VERDICT_ALERTS),
     Case(
+        "SafeserveNodeLost",
+        "10m",
+        [
+            # node b lost for the last five minutes; node c lost for one sample and back
+            series("safeserve:node_state", "1x5 0x10", **A, node="b", state="READY"),
+            series("safeserve:node_state", "0x5 1x10", **A, node="b", state="LOST"),
+            series("safeserve:node_state", "1x7 0 1x7", **A, node="c", state="READY"),
+            series("safeserve:node_state", "0x7 1 0x7", **A, node="c", state="LOST"),
+            series("safeserve:node_state", "1x15", **A, node="a", state="READY"),
+            series("safeserve:node_state", "0x15", **A, node="a", state="LOST"),
+        ],
+        [{**A, "node": "b"}],
+    ),
+    Case(
         "SafeserveHeartbeatLate",
         "5m",
         [
