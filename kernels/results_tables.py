@@ -1071,6 +1071,13 @@ def chaos_shape(r: Result) -> str | None:
 
 def chaos_fault(f: dict[str, Any]) -> str:
     text = f"{f['action']} @ {f.get('scheduled_s', 0):g} s"
+    if f.get("node") is not None:  # a node fault: detected (node LOST or a group out of READY)
+        text = f"{f['action']} node {f['node']} @ {f.get('scheduled_s', 0):g} s"
+        if "detect_s" in f:
+            text += f": detected in {num(f.get('detect_s'), 2)} s"
+        if f["action"] == "heal":
+            ready = f.get("ready_s")
+            text += ": not READY by the end" if ready is None else f": READY in {num(ready, 1)} s"
     if f.get("verdict"):
         text += f": `{f['verdict']}` in {num(f.get('detect_s'), 2)} s"
     if "recovered_s" in f:

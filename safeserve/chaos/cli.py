@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from safeserve.chaos.scenario import Scenario
     from safeserve.config import ServerArgs
 
 DEFAULT_DIR = Path("chaos")
@@ -74,6 +75,14 @@ def check_server_args(args: list[str], what: str = "[server].args") -> ServerArg
         raise ValueError(f"{what}: {e}") from None
 
 
+def _remote_args(sc: Scenario) -> list[str]:
+    """What the runner adds to a [nodes] scenario's server arguments, as the checks see them
+    (the key directory and port are made at run time; these stand for them)."""
+    if not sc.nodes:
+        return []
+    return ["--placement", "remote", "--curve-keys-dir", "keys", "--node-port", "8002"]
+
+
 def main(ns: argparse.Namespace) -> int:
     from safeserve.chaos.scenario import ScenarioError, load_scenario
     from safeserve.config_cli import check_output_file
@@ -84,9 +93,16 @@ def main(ns: argparse.Namespace) -> int:
         sc = load_scenario(ns.scenario)
         if ns.url is None and sc.server is None:
             raise ScenarioError(f"{ns.scenario}: no [server] table: give --url of a running server")
+        if ns.url is not None and sc.nodes:
+            raise ScenarioError(
+                f"{ns.scenario}: a scenario with [nodes] starts its own server and agents; "
+                "drop --url"
+            )
         admin_url = ns.admin_url or (_admin_url(ns.url) if ns.url else None)
         if ns.url is None:
-            check_server_args([*sc.server.args, *shlex.split(ns.server_args)])  # type: ignore[union-attr]
+            check_server_args(
+                [*sc.server.args, *shlex.split(ns.server_args), *_remote_args(sc)]  # type: ignore[union-attr]
+            )
         check_output_file(ns.json, "--json")
     except (ScenarioError, ValueError) as e:
         print(f"safeserve chaos: error: {e}", file=sys.stderr)
@@ -123,7 +139,7 @@ def _list(folder: Path, output: str) -> int:
         try:
             sc = load_scenario(path)
             if sc.server is not None:
-                check_server_args(sc.server.args)
+                check_server_args([*sc.server.args, *_remote_args(sc)])
         except (ScenarioError, ValueError) as e:
             msg = str(e) if str(path) in str(e) else f"{path}: {e}"
             print(f"safeserve chaos: error: {msg}", file=sys.stderr)

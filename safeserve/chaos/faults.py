@@ -5,6 +5,11 @@ server's host); engine faults go through `POST /admin/faults`; group actions thr
 `POST /admin/groups/{id}/{action}`. A fault that was sent but had no effect (a pid already gone,
 a process not stopped, a 404 from a server without `--enable-fault-injection`) is reported as
 not verified: a chaos run that injected nothing proves nothing.
+
+Node faults act on the agents the runner started (`nodes.py`): `node_kill` took effect when
+every process of the agent's tree is gone, `node_stop` when every one is stopped, `partition`
+when the node's proxy dropped bytes the agent sent (it beats every 0.25 s), `heal` when
+`/admin/nodes` shows the node READY again (a restarted agent: READY with its new pid).
 """
 
 from __future__ import annotations
@@ -14,11 +19,21 @@ import os
 import signal
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import httpx
 import psutil
 
-from safeserve.chaos.scenario import ENGINE_ACTIONS, GROUP_ACTIONS, REQUEST_ACTIONS, Fault
+from safeserve.chaos.scenario import (
+    ENGINE_ACTIONS,
+    GROUP_ACTIONS,
+    NODE_ACTIONS,
+    REQUEST_ACTIONS,
+    Fault,
+)
+
+if TYPE_CHECKING:
+    from safeserve.chaos.nodes import LocalNodes
 
 SIGNALS = {"sigkill": signal.SIGKILL, "sigstop": signal.SIGSTOP, "sigcont": signal.SIGCONT}
 RUNNING = (psutil.STATUS_RUNNING, psutil.STATUS_SLEEPING, psutil.STATUS_DISK_SLEEP)
@@ -28,6 +43,7 @@ VERIFY_S = 1.0  # how long a signal may take to show (a killed process becomes a
 REQUEST_EXPECTED = {"raise": (500, "internal_error"), "exit": (422, "request_quarantined")}
 REQUEST_PROMPT = [11, 12, 13, 14, 15, 16, 17, 18]
 REQUEST_TIMEOUT_S = 180.0  # a deadly request waits for a group holding no other suspect
+HEAL_VERIFY_S = 60.0  # a healed node READY again in /admin/nodes (a new agent starts Python)
 
 
 @dataclass
@@ -38,6 +54,8 @@ class FaultRecord:
     pid: int | None = None
     verified: bool = False
     detail: str = ""
+    groups: list[int] | None = None  # node faults: the groups with ranks on the node then
+    effect_s: float | None = None  # heal: sent -> the node READY again
 
 
 def _status(pid: int) -> str | None:
@@ -64,6 +82,7 @@ class Injector:
         url: str | None = None,
         api_key: str | None = None,
         model: str = "tiny",
+        nodes: LocalNodes | None = None,
     ) -> None:
         self.admin_url = admin_url.rstrip("/")
         self.headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
@@ -71,6 +90,8 @@ class Injector:
         self.api_headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.model = model
         self.stopped: set[int] = set()  # pids this run stopped (continued at the end)
+        self.nodes = nodes  # the agents of a [nodes] run
+        self.node_trees: dict[str, list[int]] = {}  # a stopped node's processes, for its heal
 
     async def _pid(self, client: httpx.AsyncClient, group: int, rank: int) -> int | None:
         r = await client.get(self.admin_url + "/admin/groups", headers=self.headers)
@@ -84,6 +105,8 @@ class Injector:
 
     async def inject(self, fault: Fault, at: float) -> FaultRecord:
         async with httpx.AsyncClient(timeout=10.0) as client:
+            if fault.action in NODE_ACTIONS:
+                return await self._node(client, fault, at)
             if fault.action in REQUEST_ACTIONS:
                 return await self._request(client, fault, at)
             if fault.action in SIGNALS:
@@ -169,6 +192,107 @@ class Injector:
         rec.detail = first + (
             f"; {rest} of {fault.repeat} identical refused" if fault.repeat else ""
         )
+        return rec
+
+    async def node_view(self, client: httpx.AsyncClient, node: str) -> dict | None:
+        r = await client.get(self.admin_url + "/admin/nodes", headers=self.headers)
+        r.raise_for_status()
+        return next((n for n in r.json()["nodes"] if n["id"] == node), None)
+
+    async def _node(self, client: httpx.AsyncClient, fault: Fault, at: float) -> FaultRecord:
+        """A node fault on an agent this run started, and its check."""
+        assert fault.node is not None
+        nodes = self.nodes
+        rec = FaultRecord(fault, at, time.time())
+        if nodes is None:
+            rec.detail = "no node agents started by this run (a [nodes] table)"
+            return rec
+        node = fault.node
+        view = await self.node_view(client, node)
+        rec.groups = sorted({r["group"] for r in view["ranks"]}) if view else []
+        agent = nodes.agents[node]
+        rec.pid = agent.pid
+        if fault.action == "heal":
+            return await self._heal(client, rec, node)
+        pids = nodes.tree(node)
+        if not pids or agent.poll() is not None:
+            rec.detail = f"the agent of node {node} (pid {agent.pid}) was already gone"
+            return rec
+        rec.wall = time.time()
+        if fault.action == "partition":
+            proxy = nodes.proxies[node]
+            before = proxy.dropped["client"]
+            proxy.partition()
+            deadline = time.monotonic() + VERIFY_S
+            while proxy.dropped["client"] == before and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            dropped = proxy.dropped["client"] - before
+            rec.verified = dropped > 0
+            rec.detail = f"link cut; {dropped} bytes from the agent dropped in the first check"
+        else:
+            sig = signal.SIGKILL if fault.action == "node_kill" else signal.SIGSTOP
+            for pid in pids:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            want = (
+                (None, psutil.STATUS_ZOMBIE)
+                if fault.action == "node_kill"
+                else (psutil.STATUS_STOPPED,)
+            )
+            states = [await _wait_status(pid, want) for pid in pids]
+            rec.verified = all(st in want for st in states)
+            kind = "gone" if fault.action == "node_kill" else "stopped"
+            done = sum(st in want for st in states)
+            rec.detail = f"{done} of {len(pids)} processes of the agent's tree {kind}"
+            if fault.action == "node_stop":
+                self.node_trees[node] = pids
+                self.stopped.update(pids)
+        nodes.down[node] = fault.action
+        return rec
+
+    async def _heal(self, client: httpx.AsyncClient, rec: FaultRecord, node: str) -> FaultRecord:
+        """Undoes the node's fault, then waits for the frontend to show it READY."""
+        nodes = self.nodes
+        assert nodes is not None
+        what = nodes.down.pop(node, None)
+        rec.wall = time.time()
+        new_pid = None
+        if what == "node_stop":
+            pids = self.node_trees.pop(node, [])
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+                self.stopped.discard(pid)
+            how = f"continued {len(pids)} processes"
+        elif what == "partition":
+            nodes.proxies[node].heal()
+            how = "link healed"
+        elif what == "node_kill":
+            new_pid = nodes.start(node).pid
+            rec.pid = new_pid
+            how = f"a new agent, pid {new_pid}"
+        else:
+            rec.detail = f"node {node} is under no fault of this run"
+            return rec
+        deadline = time.monotonic() + HEAL_VERIFY_S
+        view = None
+        while time.monotonic() < deadline:
+            view = await self.node_view(client, node)
+            if (
+                view is not None
+                and view["state"] == "READY"
+                and (new_pid is None or view["agent_pid"] == new_pid)
+            ):
+                rec.verified = True
+                rec.effect_s = time.time() - rec.wall
+                break
+            await asyncio.sleep(0.1)
+        state = "no such node" if view is None else view["state"]
+        rec.detail = f"{how}; node {node} {state} after {time.time() - rec.wall:.2f} s"
         return rec
 
     def release(self) -> None:

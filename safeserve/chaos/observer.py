@@ -1,4 +1,5 @@
-"""What the server says about itself during a run: `/metrics` and `/admin/groups`, polled."""
+"""What the server says about itself during a run: `/metrics` and `/admin/groups`, polled (and
+`/admin/nodes` in a run on node agents: when a node was LOST is only seen while it is)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,8 @@ class Sample:
     t: float  # seconds since the load started
     tokens: dict[int, float]  # generation_tokens_total by group
     groups: list[dict[str, Any]]
+    nodes: list[dict[str, Any]] = field(default_factory=list)  # /admin/nodes (node runs)
+    wall: float = 0.0  # time.time() when taken
 
 
 @dataclass
@@ -46,6 +49,7 @@ class Observer:
     admin_key: str | None = None
     samples: list[Sample] = field(default_factory=list)
     errors: int = 0
+    watch_nodes: bool = False  # also poll /admin/nodes
 
     @property
     def headers(self) -> dict[str, str]:
@@ -61,13 +65,26 @@ class Observer:
         r.raise_for_status()
         return r.json()["groups"]
 
+    async def nodes(self, client: httpx.AsyncClient) -> list[dict[str, Any]]:
+        r = await client.get(self.admin_url + "/admin/nodes", headers=self.headers)
+        r.raise_for_status()
+        return r.json()["nodes"]
+
+    async def _no_nodes(self) -> list[dict[str, Any]]:
+        return []
+
     async def sample(self, client: httpx.AsyncClient, t: float) -> Sample:
-        m, groups = await asyncio.gather(self.metrics(client), self.groups(client))
+        wall = time.time()
+        m, groups, nodes = await asyncio.gather(
+            self.metrics(client),
+            self.groups(client),
+            self.nodes(client) if self.watch_nodes else self._no_nodes(),
+        )
         tokens = {
             int(dict(k).get("group", -1)): v
             for k, v in m.get("generation_tokens_total", {}).items()
         }
-        s = Sample(t, tokens, groups)
+        s = Sample(t, tokens, groups, nodes, wall)
         self.samples.append(s)
         return s
 

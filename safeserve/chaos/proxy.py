@@ -6,6 +6,8 @@ FIN, no RST: the bytes are dropped, as a broken switch or a firewall would), and
 meanwhile are accepted and dropped likewise. Neither end learns of it except by silence, so the
 frontend's lease and the agent's lease are what notice. `heal()` closes the connections that
 lost bytes (their streams cannot resume mid-frame) and forwards again, so the agent reconnects.
+`dropped` counts the bytes a partition dropped, by the side that sent them ("client": the agent,
+"upstream": the frontend): a partition that dropped nothing cut nothing.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ class TcpProxy:
         self._lock = threading.Lock()
         self._conns: list[socket.socket] = []
         self._closed = False
+        self.dropped = {"client": 0, "upstream": 0}
         threading.Thread(target=self._accept, name="proxy-accept", daemon=True).start()
 
     def partition(self) -> None:
@@ -57,10 +60,10 @@ class TcpProxy:
                 continue
             with self._lock:
                 self._conns += [client, upstream]
-            for src, dst in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+            for src, dst, side in ((client, upstream, "client"), (upstream, client, "upstream")):
+                threading.Thread(target=self._pump, args=(src, dst, side), daemon=True).start()
 
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, side: str) -> None:
         while True:
             try:
                 data = src.recv(65536)
@@ -69,7 +72,8 @@ class TcpProxy:
             if not data:
                 break
             if self.cut:
-                continue  # partitioned: the bytes go nowhere
+                self.dropped[side] += len(data)  # partitioned: the bytes go nowhere
+                continue
             try:
                 dst.sendall(data)
             except OSError:

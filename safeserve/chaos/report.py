@@ -21,6 +21,12 @@ Definitions (docs/operations.md, Chaos runs):
   `X-Safeserve-Group`). In the baseline per group; per fault, each survivor's own requests sent
   in the window, and its goodput per second against its baseline's (`slo_goodput_ratio`): under
   an open-loop load a survivor gets the whole rate, so this is what it carried.
+- per node fault (`node_kill`, `node_stop`, `partition`): *node_lost* = the frontend found the
+  node LOST (its `lost_at` in `/admin/nodes`, polled while it is LOST); *group_left_ready* = the
+  first state other than READY of a group that had ranks on the node; *detect* = the earlier.
+  The survivors are the groups with no rank on the node, over the window to the next fault.
+  Per `heal`: *node_ready* = the node READY again in `/admin/nodes`; *ready* = every group
+  READY (a group READY when the heal came counts at 0).
 - *share*: after a signal fault, from the faulted group's READY event on, the share of the
   requests sent in each `share_window_s` window (sliding by `SHARE_STEP_S`) that it answered;
   *rebalanced* = READY to the end of the first window within `share_tolerance` of 1/groups.
@@ -41,7 +47,14 @@ from typing import Any
 from safeserve.chaos.faults import FaultRecord
 from safeserve.chaos.load import RequestRecord
 from safeserve.chaos.observer import Observer, metric_total
-from safeserve.chaos.scenario import EXPECTED_VERDICT, FENCING_FAULTS, Scenario
+from safeserve.chaos.scenario import (
+    EXPECTED_VERDICT,
+    FENCING_FAULTS,
+    NODE_ACTIONS,
+    NODE_DETECT_GOALS,
+    NODE_FAULTS,
+    Scenario,
+)
 from safeserve.guards.watchdog import VERDICT_KINDS
 from safeserve.messages import ROUTER_PICK_REASONS
 
@@ -176,6 +189,53 @@ def _tpots(records: list[RequestRecord], group: int, a: float, b: float, mt: int
     return out
 
 
+def _round3(x: float | None) -> float | None:
+    return None if x is None else round(x, 3)
+
+
+def node_detection(obs: Observer, groups: list[dict], fr: FaultRecord) -> dict[str, Any]:
+    """When the frontend noticed a node fault: the node LOST, or one of its groups out of READY
+    (seconds after the fault was sent; None: not within the run)."""
+    lost = [
+        n.get("lost_at") or s.wall
+        for s in obs.samples
+        for n in s.nodes
+        if n["id"] == fr.fault.node and n["state"] == "LOST"
+    ]
+    lost = [t for t in lost if t >= fr.wall]
+    left = [
+        e["at"]
+        for g in groups
+        if g["id"] in (fr.groups or [])
+        for e in g.get("events", [])
+        if e["state"] != "READY" and e["at"] >= fr.wall
+    ]
+    node_lost = min(lost) - fr.wall if lost else None
+    group_left = min(left) - fr.wall if left else None
+    seen = [x for x in (node_lost, group_left) if x is not None]
+    return {
+        "node_lost_s": _round3(node_lost),
+        "group_left_ready_s": _round3(group_left),
+        "detect_s": _round3(min(seen)) if seen else None,
+    }
+
+
+def all_ready_after(groups: list[dict], wall: float) -> float | None:
+    """Seconds from `wall` until every group was READY (a group READY at `wall` counts at 0;
+    None: one was not READY again within the run)."""
+    worst = 0.0
+    for g in groups:
+        events = sorted(g.get("events", []), key=lambda e: e["at"])
+        before = [e for e in events if e["at"] <= wall]
+        if before and before[-1]["state"] == "READY":
+            continue
+        ready = _first_event(g, "READY", wall)
+        if ready is None:
+            return None
+        worst = max(worst, ready - wall)
+    return worst
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or not b else a / b
 
@@ -201,7 +261,7 @@ def analyse_faults(
         f = fr.fault
         rec: dict[str, Any] = {
             "action": f.action,
-            "group": f.group,
+            "group": None if f.action in NODE_ACTIONS else f.group,
             "rank": f.rank,
             "scheduled_s": f.at_s,
             "at_s": round(fr.at, 3),
@@ -210,6 +270,15 @@ def analyse_faults(
             "detail": fr.detail,
         }
         nxt = faults[i + 1].at if i + 1 < len(faults) else end
+        faulted = {f.group}
+        if f.action in NODE_ACTIONS:
+            rec.update(node=f.node, groups=fr.groups)
+            faulted = set(fr.groups or [])
+        if f.action in NODE_FAULTS:
+            rec.update(node_detection(obs, final, fr))
+        elif f.action == "heal":
+            rec["node_ready_s"] = _round3(fr.effect_s)
+            rec["ready_s"] = _round3(all_ready_after(final, fr.wall))
         g = next((x for x in final if x["id"] == f.group), None)
         want = EXPECTED_VERDICT.get(f.action)
         if want and g is not None:
@@ -240,7 +309,7 @@ def analyse_faults(
         rec["window_s"] = [round(fr.at, 3), round(w_end, 3)]
         surv = {}
         for h in ids:
-            if h == f.group:
+            if h in faulted or f.action == "heal":
                 continue
             tps = obs.rate(h, fr.at, w_end)
             tp99 = p99(_tpots(records, h, fr.at, w_end, mt))
@@ -432,11 +501,34 @@ def evaluate(sc: Scenario, report: dict[str, Any]) -> list[dict[str, Any]]:
             out.append(
                 _goal(name, f"<= {limit}", v, f["verified"] and v is not None and v <= limit)
             )
+    for action, key in NODE_DETECT_GOALS.items():
+        limit = getattr(gl, key)
+        for f in (f for f in faults if f["action"] == action and limit is not None):
+            v = f.get("detect_s")
+            out.append(
+                _goal(
+                    f"detect_{action}_s node {f['node']}@{f['scheduled_s']:g}s",
+                    f"<= {limit}",
+                    v,
+                    f["verified"] and v is not None and v <= limit,
+                )
+            )
+    for f in (f for f in faults if f["action"] == "heal" and gl.heal_ready_max_s is not None):
+        v = f.get("ready_s")
+        out.append(
+            _goal(
+                f"every group READY after heal node {f['node']}@{f['scheduled_s']:g}s",
+                f"<= {gl.heal_ready_max_s}",
+                v,
+                f["verified"] and v is not None and v <= gl.heal_ready_max_s,
+            )
+        )
     for f in faults:
-        if f["action"] not in FENCING_FAULTS:
+        if f["action"] not in FENCING_FAULTS and f["action"] not in NODE_FAULTS:
             continue
         tag = f"{f['action']}@{f['scheduled_s']:g}s"
-        if gl.recover_max_s is not None:
+        fencing = f["action"] in FENCING_FAULTS  # a node fault's groups wait for its heal
+        if fencing and gl.recover_max_s is not None:
             v = f.get("recovered_s")
             out.append(
                 _goal(
@@ -446,7 +538,7 @@ def evaluate(sc: Scenario, report: dict[str, Any]) -> list[dict[str, Any]]:
                     v is not None and v <= gl.recover_max_s,
                 )
             )
-        if gl.rebalance_max_s is not None:
+        if fencing and gl.rebalance_max_s is not None:
             v = (f.get("share") or {}).get("rebalanced_s")
             out.append(
                 _goal(
@@ -569,8 +661,10 @@ def render(report: dict[str, Any]) -> str:
         )
     for f in report["faults"]:
         where = f"group {f['group']}" + (f" rank {f['rank']}" if f["rank"] is not None else "")
+        if f.get("node") is not None:
+            where = f"node {f['node']} (groups {', '.join(map(str, f['groups'] or [])) or '-'})"
         line = f"fault t={f['at_s']:.1f}s {f['action']} {where}: {'ok' if f['verified'] else 'NO EFFECT'}"
-        for key in ("detect_s", "failed_s", "ready_s", "recovered_s"):
+        for key in ("detect_s", "failed_s", "node_ready_s", "ready_s", "recovered_s"):
             if key in f:
                 line += f", {key[:-2]} {_s(f[key])}"
         for h, s in f["survivors"].items():

@@ -1,5 +1,9 @@
 """`safeserve chaos run`: serve (or reach) a server, offer the scenario's load, inject its faults
 on time and watch; what the run observed goes to `report.py`, which builds and formats the report.
+
+A scenario with `[nodes]` runs its groups on node agents: the runner makes a work directory
+(keys, the server's and each agent's log), starts the agents (`nodes.py`) and the server with
+`--placement remote`, and at the end stops the server and every agent it started.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import httpx
 
 from safeserve.chaos.faults import FaultRecord, Injector
 from safeserve.chaos.load import Load
+from safeserve.chaos.nodes import LocalNodes
 from safeserve.chaos.observer import Observer
 from safeserve.chaos.report import build_report
 from safeserve.chaos.scenario import Scenario
@@ -133,6 +138,8 @@ async def _faults(
         out.append(rec)
         state = "took effect" if rec.verified else "DID NOT take effect"
         where = f"group {f.group}" + (f" rank {f.rank}" if f.rank is not None else "")
+        if f.node is not None:
+            where = f"node {f.node}"
         print(f"[chaos] t={rec.at:.1f}s {f.action} {where}: {state} ({rec.detail})", file=progress)
 
 
@@ -168,14 +175,15 @@ async def run(
     admin_key: str | None,
     progress: TextIO,
     ready_timeout: float,
+    nodes: LocalNodes | None = None,
 ) -> dict[str, Any]:
-    obs = Observer(url.rstrip("/"), admin_url.rstrip("/"), admin_key)
+    obs = Observer(url.rstrip("/"), admin_url.rstrip("/"), admin_key, watch_nodes=nodes is not None)
     groups_before = await _all_ready(obs, ready_timeout, progress)
     model = await served_model(obs.url, api_key)
     async with httpx.AsyncClient(timeout=10.0) as c:
         before = await obs.metrics(c)
     load = Load(obs.url, sc.load, model, api_key)
-    inj = Injector(obs.admin_url, admin_key, obs.url, api_key, model)
+    inj = Injector(obs.admin_url, admin_key, obs.url, api_key, model, nodes)
     faults: list[FaultRecord] = []
     stop = asyncio.Event()
     t0 = time.monotonic()
@@ -225,25 +233,41 @@ def run_scenario(
     extra_args: list[str],
     progress: TextIO = sys.stderr,
 ) -> dict[str, Any]:
-    server = None
-    if url is None:
-        assert sc.server is not None
-        log = server_log
-        if log is None:
-            fd, name = tempfile.mkstemp(prefix=f"safeserve-chaos-{sc.name}-", suffix=".log")
-            os.close(fd)  # the server's own handle writes it
-            log = Path(name)
-        server = LocalServer([*sc.server.args, *extra_args], log)
-        print(f"[chaos] starting the server (log: {log})", file=progress)
-        server.wait_ready(sc.server.ready_timeout_s, progress)
-        url, admin_url = server.url, server.admin_url
-    assert admin_url is not None
-    timeout = sc.server.ready_timeout_s if sc.server else 60.0
+    server, nodes = None, None
     try:
-        report = asyncio.run(run(sc, url, admin_url, api_key, admin_key, progress, timeout))
+        if url is None:
+            assert sc.server is not None
+            log = server_log
+            args = [*sc.server.args, *extra_args]
+            if sc.nodes:
+                work = Path(tempfile.mkdtemp(prefix=f"safeserve-chaos-{sc.name}-"))
+                nodes = LocalNodes(sc.nodes, work, preexec=die_with_parent)
+                nodes.start_all()
+                args += nodes.server_args()
+                log = log or work / "server.log"
+                print(
+                    f"[chaos] started {len(sc.nodes)} node agents ({', '.join(sc.nodes)}; "
+                    f"keys and logs: {work})",
+                    file=progress,
+                )
+            if log is None:
+                fd, name = tempfile.mkstemp(prefix=f"safeserve-chaos-{sc.name}-", suffix=".log")
+                os.close(fd)  # the server's own handle writes it
+                log = Path(name)
+            server = LocalServer(args, log)
+            print(f"[chaos] starting the server (log: {log})", file=progress)
+            server.wait_ready(sc.server.ready_timeout_s, progress)
+            url, admin_url = server.url, server.admin_url
+        assert admin_url is not None
+        timeout = sc.server.ready_timeout_s if sc.server else 60.0
+        report = asyncio.run(run(sc, url, admin_url, api_key, admin_key, progress, timeout, nodes))
     finally:
         if server is not None:
             server.stop()
+        if nodes is not None:
+            nodes.stop()
     if server is not None:
         report["server_log"] = str(server.log)
+    if nodes is not None:
+        report["node_logs"] = {n: [str(x) for x in logs] for n, logs in nodes.logs.items()}
     return report

@@ -37,6 +37,7 @@ of the requests started in some `share_window_s` window that ends within this ma
 
 from __future__ import annotations
 
+import re
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -50,7 +51,18 @@ GROUP_ACTIONS = ("drain", "undrain", "restart")  # POST /admin/groups/{id}/{acti
 # "raise" must fail alone (500 internal_error), "exit" must end quarantined (422
 # request_quarantined), and `repeat` identical requests after it must each be refused (422).
 REQUEST_ACTIONS = {"request_raise": "raise", "request_exit": "exit"}
-FAULT_ACTIONS = SIGNAL_ACTIONS + ENGINE_ACTIONS + GROUP_ACTIONS + tuple(REQUEST_ACTIONS)
+# Faults of a whole node (needs [nodes]): its agent's process tree, or its link to the frontend.
+NODE_FAULTS = ("node_kill", "node_stop", "partition")
+NODE_ACTIONS = NODE_FAULTS + ("heal",)
+FAULT_ACTIONS = (
+    SIGNAL_ACTIONS + ENGINE_ACTIONS + GROUP_ACTIONS + tuple(REQUEST_ACTIONS) + NODE_ACTIONS
+)
+# The goal that bounds each node fault's detection (seconds to LOST or a group out of READY).
+NODE_DETECT_GOALS = {
+    "node_kill": "detect_node_kill_max_s",
+    "node_stop": "detect_node_stop_max_s",
+    "partition": "detect_partition_max_s",
+}
 # Faults whose group is fenced and restarts: the report times its failure, READY and recovery.
 FENCING_FAULTS = ("sigkill", "sigstop", "corrupt")
 # Which watchdog verdict a fault must draw (a fault that draws none had no visible effect).
@@ -94,11 +106,20 @@ class SloSpec:
 
 
 @dataclass
+class NodeSpec:
+    """One node agent the runner starts (`safeserve node --devices ... --host ...`)."""
+
+    devices: str = "0"  # its --devices: CUDA indices, or on CPU one rank slot each
+    host: str = "127.0.0.1"  # its --host: where its ranks rendezvous (127.0.0.x: a "host")
+
+
+@dataclass
 class Fault:
     at_s: float
     action: str
     group: int = 0
     rank: int | None = None
+    node: str | None = None  # node faults: the [nodes] id
     expert: int | None = None  # route_skew
     delay_s: float | None = None  # slow_rank
     repeat: int = 0  # request_exit: identical requests sent after it, each to be refused
@@ -124,6 +145,10 @@ class Goals:
     slo_goodput_min: float | None = None  # share of all requests that met the [slo]
     survivor_slo_goodput_min: float | None = None  # of the other groups' requests, per fault
     rebalance_max_s: float | None = None  # READY again -> an even share of new requests
+    detect_node_kill_max_s: float | None = None  # node_kill -> node LOST or a group not READY
+    detect_node_stop_max_s: float | None = None  # node_stop -> likewise
+    detect_partition_max_s: float | None = None  # partition -> likewise
+    heal_ready_max_s: float | None = None  # heal -> every group READY
     share_window_s: float = 5.0
     share_tolerance: float = 0.1  # absolute, around 1/groups
 
@@ -138,6 +163,7 @@ class Scenario:
     faults: list[Fault] = field(default_factory=list)
     goals: Goals = field(default_factory=Goals)
     slo: SloSpec = field(default_factory=SloSpec)
+    nodes: dict[str, NodeSpec] = field(default_factory=dict)  # empty: local placement
 
 
 def _build(cls: type, raw: Any, where: str) -> Any:
@@ -175,7 +201,7 @@ def _typed(want: str, value: Any, where: str) -> Any:
 def parse(raw: dict[str, Any], path: Path | None = None) -> Scenario:
     where = str(path) if path else "scenario"
     raw = dict(raw)
-    allowed = {"name", "description", "server", "load", "faults", "goals", "slo"}
+    allowed = {"name", "description", "server", "load", "faults", "goals", "slo", "nodes"}
     unknown = sorted(set(raw) - allowed)
     if unknown:
         raise ScenarioError(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(allowed)})")
@@ -194,7 +220,17 @@ def parse(raw: dict[str, Any], path: Path | None = None) -> Scenario:
         _build(Fault, f, f"{where}: [[faults]] #{i + 1}")
         for i, f in enumerate(raw.get("faults", []))
     ]
+    raw_nodes = raw.get("nodes", {})
+    if not isinstance(raw_nodes, dict):
+        raise ScenarioError(f"{where}: [nodes] must be a table of node id -> {{devices, host}}")
+    nodes = {
+        str(n): _build(
+            NodeSpec, dict(spec) if isinstance(spec, dict) else spec, f"{where}: [nodes].{n}"
+        )
+        for n, spec in raw_nodes.items()
+    }
     sc = Scenario(name, path, str(raw.get("description", "")), server, load, faults, goals, slo)
+    sc.nodes = nodes
     validate(sc, where)
     return sc
 
@@ -241,8 +277,55 @@ def validate(sc: Scenario, where: str) -> None:
             raise ScenarioError(f"{at}: slow_rank needs delay_s")
         if f.repeat < 0 or (f.repeat and f.action != "request_exit"):
             raise ScenarioError(f"{at}: repeat is a count >= 0, for request_exit only")
+    _validate_nodes(sc, where)
     if not 0 < sc.goals.recover_throughput <= 1:
         raise ScenarioError(f"{where}: [goals].recover_throughput must be in (0, 1]")
+
+
+_DEVICES = re.compile(r"^\s*\d+(-\d+)?(\s*,\s*\d+(-\d+)?)*\s*$")
+
+
+def _validate_nodes(sc: Scenario, where: str) -> None:
+    """[nodes] entries are well formed, and node faults name a node of it in a sensible order:
+    a node is faulted once until it is healed, and `heal` follows a fault of its node."""
+    for n, spec in sc.nodes.items():
+        if not n or not _DEVICES.match(spec.devices):
+            raise ScenarioError(
+                f"{where}: [nodes].{n}: devices must look like 0-7 or 0,2,5, got {spec.devices!r}"
+            )
+        if not spec.host:
+            raise ScenarioError(f"{where}: [nodes].{n}: host must be an address")
+    if sc.nodes and sc.server is None:
+        raise ScenarioError(f"{where}: [nodes] needs [server]: the run starts the agents")
+    down: dict[str, str] = {}  # node -> its fault not healed yet
+    for i, f in enumerate(sc.faults):
+        at = f"{where}: [[faults]] #{i + 1}"
+        if f.action not in NODE_ACTIONS:
+            if f.node is not None:
+                raise ScenarioError(
+                    f"{at}: node is for the node faults ({', '.join(NODE_ACTIONS)})"
+                )
+            continue
+        if f.node is None:
+            raise ScenarioError(f"{at}: {f.action} needs node")
+        if not sc.nodes:
+            raise ScenarioError(f"{at}: {f.action} needs a [nodes] table (groups on node agents)")
+        if f.node not in sc.nodes:
+            raise ScenarioError(
+                f"{at}: unknown node {f.node!r} (the [nodes] are {', '.join(sorted(sc.nodes))})"
+            )
+        if f.action == "heal":
+            if f.node not in down:
+                raise ScenarioError(
+                    f"{at}: heal of node {f.node!r}, which no earlier node fault took down"
+                )
+            del down[f.node]
+        elif f.node in down:
+            raise ScenarioError(
+                f"{at}: node {f.node!r} is already down ({down[f.node]}); heal it first"
+            )
+        else:
+            down[f.node] = f.action
 
 
 def load_scenario(path: str | Path) -> Scenario:

@@ -190,6 +190,7 @@ def node_view(state: ServerState) -> dict[str, Any]:
                 "id": n.node_id,
                 "state": "LOST" if n.lost is not None else "READY",
                 "lost_reason": n.lost,
+                "lost_at": n.lost_at,
                 "host": n.host,
                 "agent_pid": n.pid,
                 "devices": n.devices,

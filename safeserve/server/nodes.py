@@ -67,6 +67,7 @@ class Node:
     last_beat: float = field(default_factory=time.monotonic)
     connected_at: float = field(default_factory=time.time)
     lost: str | None = None  # why it is lost (None: alive)
+    lost_at: float | None = None  # time.time() it was found lost (chaos runs time detection)
     # devices in use: device -> (group, incarnation)
     used: dict[int, tuple[int, int]] = field(default_factory=dict)
 
@@ -355,7 +356,7 @@ class NodeHub:
         (any still running are stopped on its next beat)."""
         if node.lost is not None:
             logger.warning("node %s is back (was lost: %s)", node.node_id, node.lost)
-            node.lost = None
+            node.lost = node.lost_at = None
             node.used.clear()
         self._changed.set()
         self.on_change()
@@ -374,7 +375,7 @@ class NodeHub:
     def _lose(self, node: Node, why: str) -> None:
         if node.lost is not None:
             return
-        node.lost = why
+        node.lost, node.lost_at = why, time.time()
         logger.error("node %s lost: %s", node.node_id, why)
         self._changed.set()
         self.on_change()

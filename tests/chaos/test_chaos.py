@@ -26,6 +26,7 @@ from safeserve.chaos.scenario import ScenarioError, load_scenario, parse
 
 ROOT = Path(__file__).resolve().parents[2]
 GROUPS = two_groups("--max-model-len", "512", "--max-running-requests", "4")
+NODES = {"server": {}, "nodes": {"a": {"devices": "0,1"}, "b": {"host": "127.0.0.2"}}}
 
 
 def _chaos(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -67,6 +68,46 @@ def _chaos(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
         ({"slo": {"p99_s": 1.0}}, "unknown key 'p99_s'"),
         ({"slo": {"tpot_s": "fast"}}, "expected float"),
         ({"goals": {"share_tolerance": 1.5}}, "share_tolerance in (0, 1)"),
+        # node faults: a node of [nodes], faulted once until healed, healed after a fault
+        ({"faults": [{"at_s": 5, "action": "node_kill"}]}, "node_kill needs node"),
+        ({"faults": [{"at_s": 5, "action": "partition", "node": "b"}]}, "needs a [nodes] table"),
+        (
+            {**NODES, "faults": [{"at_s": 5, "action": "node_stop", "node": "z"}]},
+            "unknown node 'z' (the [nodes] are a, b)",
+        ),
+        (
+            {**NODES, "faults": [{"at_s": 5, "action": "heal", "node": "b"}]},
+            "heal of node 'b', which no earlier node fault took down",
+        ),
+        (
+            {
+                **NODES,
+                "faults": [
+                    {"at_s": 5, "action": "partition", "node": "b"},
+                    {"at_s": 6, "action": "heal", "node": "b"},
+                    {"at_s": 7, "action": "heal", "node": "b"},
+                ],
+            },
+            "heal of node 'b', which no earlier",
+        ),
+        (
+            {
+                **NODES,
+                "faults": [
+                    {"at_s": 5, "action": "node_kill", "node": "a"},
+                    {"at_s": 6, "action": "partition", "node": "a"},
+                ],
+            },
+            "node 'a' is already down (node_kill); heal it first",
+        ),
+        (
+            {**NODES, "faults": [{"at_s": 5, "action": "sigkill", "rank": 0, "node": "a"}]},
+            "node is for the node faults",
+        ),
+        ({"server": {}, "nodes": {"a": {"devices": "x"}}}, "[nodes].a: devices must look like"),
+        ({"server": {}, "nodes": {"a": {"gpus": "0"}}}, "[nodes].a: unknown key 'gpus'"),
+        ({"server": {}, "nodes": {"a": "0,1"}}, "[nodes].a: expected a table"),
+        ({"nodes": {"a": {"devices": "0"}}}, "[nodes] needs [server]"),
     ],
 )
 def test_bad_scenarios_are_refused_with_the_field_named(raw: dict, message: str) -> None:
@@ -359,3 +400,81 @@ def test_open_loop_kill_survivor_goodput_and_recovered_share(tmp_path: Path) -> 
     assert share["rebalanced_s"] is not None and share["rebalanced_s"] <= 30.0
     assert 0.4 <= share["share"] <= 0.6
     assert "SLO (TTFT <= 2.00 s" in r.stdout and "back to an even share" in r.stdout
+
+
+def test_node_fault_detection_is_the_earlier_of_node_lost_and_group_out_of_ready() -> None:
+    from safeserve.chaos.faults import FaultRecord
+    from safeserve.chaos.report import all_ready_after, node_detection
+    from safeserve.chaos.scenario import Fault
+
+    fr = FaultRecord(Fault(10.0, "partition", node="b"), 10.0, 1000.0, groups=[1])
+    lost = {"id": "b", "state": "LOST", "lost_at": 1002.9}
+    obs = Observer("u", "a")
+    obs.samples = [
+        Sample(12.0, {}, [], [{"id": "b", "state": "READY", "lost_at": None}], 1002.0),
+        Sample(13.0, {}, [], [lost], 1003.0),
+    ]
+    groups = [
+        {"id": 0, "events": [{"at": 990.0, "state": "READY"}]},
+        {
+            "id": 1,
+            "events": [
+                {"at": 990.0, "state": "READY"},
+                {"at": 1003.1, "state": "FAILED"},
+                {"at": 1020.0, "state": "READY"},
+            ],
+        },
+    ]
+    got = node_detection(obs, groups, fr)
+    assert got == {"node_lost_s": 2.9, "group_left_ready_s": 3.1, "detect_s": 2.9}
+    # a server without lost_at: the first poll that saw it LOST
+    del lost["lost_at"]
+    assert node_detection(obs, groups, fr)["node_lost_s"] == 3.0
+    # nothing seen: not detected, not zero
+    assert node_detection(Observer("u", "a"), groups[:1], fr)["detect_s"] is None
+    # every group READY after a heal at 1010: group 0 never left, group 1 back at 1020
+    assert all_ready_after(groups, 1010.0) == 10.0
+    assert all_ready_after(groups, 995.0) == 0.0
+    assert all_ready_after([{"id": 1, "events": groups[1]["events"][:2]}], 1010.0) is None
+
+
+def test_a_nodes_scenario_refuses_url() -> None:
+    r = _chaos("run", "chaos/partition.toml", "--url", "http://127.0.0.1:1", timeout=60)
+    assert r.returncode == 2 and "starts its own server and agents" in r.stderr
+
+
+def test_partition_scenario_cuts_one_node_and_loses_nothing(tmp_path: Path) -> None:
+    """The shipped partition scenario (its own frontend and three agents, each through its own
+    proxy): node b is cut off and healed. The cut dropped the agent's bytes, the frontend found
+    the node lost within the lease + 1 s, the other group served on, nothing was lost or failed
+    and every output is exact, and after the heal every group was READY within 60 s. The agents
+    it started are gone at the end."""
+    import psutil
+
+    out = tmp_path / "partition.json"
+    r = _chaos("run", "chaos/partition.toml", "--json", str(out), timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:] + r.stdout
+    rep = json.loads(out.read_text())
+    assert rep["ok"] and all(g["ok"] for g in rep["goals"])
+    req = rep["requests"]
+    assert req["sent"] >= 50 and req["succeeded"] == req["sent"]
+    assert req["lost"] == req["failed"] == 0 and req["consistent"] == 1.0
+    cut, heal = rep["faults"]
+    assert (cut["action"], cut["node"], cut["verified"]) == ("partition", "b", True)
+    assert "bytes from the agent dropped" in cut["detail"]
+    (group,) = cut["groups"]
+    assert cut["node_lost_s"] is not None and 0 < cut["detect_s"] <= 4.0
+    assert list(cut["survivors"]) == [str(1 - group)]
+    assert cut["survivors"][str(1 - group)]["tokens_per_s"] > 0
+    assert (heal["action"], heal["verified"]) == ("heal", True)
+    assert heal["detail"].startswith("link healed") and heal["node_ready_s"] is not None
+    assert heal["ready_s"] is not None and heal["ready_s"] <= 60.0
+    assert rep["server"]["group_failures"] == {str(group): 1, str(1 - group): 0}
+    assert rep["server"]["lost"] == 0
+    assert sorted(rep["node_logs"]) == ["a", "b", "c"]
+    assert "detect_partition_s node b@15s" in r.stdout and "PASS" in r.stdout
+    for f in (cut, heal):
+        try:
+            assert psutil.Process(f["pid"]).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            pass
