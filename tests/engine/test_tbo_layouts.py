@@ -42,9 +42,14 @@ TBO_LAYOUTS = ["tp2-ep2-alltoall", "tp2-ep2-alltoall-dp", "tp2-ep1-none-dp", "tp
 CHUNKS = [5, 6, 1, 1, 3, 1, 1, 1, 1]  # chunked prefill, then decode steps
 
 
-def _server_kw(family: str) -> dict:
+# Single-batch overlap alone (no split steps): the shared experts run while every step's last
+# combine moves.
+SBO_ONLY = ("deepseek_v3", "tp2-ep2-alltoall-dp")
+
+
+def _server_kw(family: str, sbo_only: bool = False) -> dict:
     return {
-        "enable_two_batch_overlap": True,
+        "enable_two_batch_overlap": not sbo_only,
         "tbo_min_decode_batch": 1,
         "dispatch_budget_tokens": 4,
         "enable_single_batch_overlap": family in SHARED_EXPERTS,
@@ -64,10 +69,9 @@ def _every_group_rank(rank: int, runs: list[tuple], seqs: list[list[int]], queue
     for key, model, layout, init in runs:
         if rank < layout[0]:
             tagged = _Tagged(queue, key)
+            kw = _server_kw(key[0], sbo_only=len(key) > 2)
             try:
-                _rank_main(
-                    "cpu", model, layout, rank, init, seqs, CHUNKS, None, tagged, _server_kw(key[0])
-                )
+                _rank_main("cpu", model, layout, rank, init, seqs, CHUNKS, None, tagged, kw)
             except Exception:
                 tagged.put(("error", rank, traceback.format_exc()))
 
@@ -84,7 +88,8 @@ def results(tmp_path_factory: pytest.TempPathFactory):
         hf = AutoModelForCausalLM.from_pretrained(ckpts[family], dtype=torch.float32).eval()
         with torch.no_grad():
             ref[family] = {i: hf(torch.tensor([s])).logits[0] for i, s in enumerate(seqs)}
-    keys = [(f, name) for f in FAMILIES for name in TBO_LAYOUTS]
+    keys: list[tuple] = [(f, name) for f in FAMILIES for name in TBO_LAYOUTS]
+    keys.append((*SBO_ONLY, "sbo-only"))
     ports: set[int] = set()
     while len(ports) < len(keys) + 1:
         ports.add(free_port())
@@ -94,7 +99,7 @@ def results(tmp_path_factory: pytest.TempPathFactory):
         for key, port in zip(keys, rest, strict=True)
     ]
     out: dict = {key: ({}, {}, None) for key in keys}
-    pending = sum(LAYOUTS[name][0] for _, name in keys)
+    pending = sum(LAYOUTS[k[1]][0] for k in keys)
     world = max(LAYOUTS[name][0] for name in TBO_LAYOUTS)
     with spawn_ranks(
         world, _every_group_rank, lambda r, init, q: (r, runs, seqs, q), port=first
@@ -140,6 +145,18 @@ def test_overlap_logits_match_transformers(results, family: str, name: str) -> N
     expected = _expected_splits(LAYOUTS[name], seqs)
     assert expected >= 1
     assert splits == {r: expected for r in range(tp)}
+    _assert_rows(got, seqs, ref[family])
+
+
+def test_single_batch_overlap_alone_matches_transformers(results) -> None:
+    out, seqs, ref = results
+    got, splits, error = out[(*SBO_ONLY, "sbo-only")]
+    assert error is None, error
+    assert splits == {0: 0, 1: 0}  # no step ran split
+    _assert_rows(got, seqs, ref[SBO_ONLY[0]])
+
+
+def _assert_rows(got: dict, seqs: list[list[int]], ref: dict) -> None:
     starts = [sum(CHUNKS[:k]) for k in range(len(CHUNKS))]
     rows = {
         (i, min(start + n, len(s)) - 1)
@@ -151,7 +168,7 @@ def test_overlap_logits_match_transformers(results, family: str, name: str) -> N
     for (i, pos), row in got.items():
         torch.testing.assert_close(
             row,
-            ref[family][i][pos],
+            ref[i][pos],
             atol=1e-4,
             rtol=0,
             msg=lambda m, i=i, pos=pos: f"seq {i} pos {pos}: {m}",
