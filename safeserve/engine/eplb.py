@@ -5,7 +5,8 @@ Every `--eplb-rebalance-num-iterations` served passes the leader collects the gr
 tokens per logical expert since the previous check (an EPLB step: a plan with no sequences that
 every rank answers). The check is skipped when the balancedness measured over those passes is
 above `--eplb-min-rebalancing-utilization-threshold`, when nothing was routed, or when the
-algorithm's placement for that routing is the current one; otherwise the MoE layers whose
+algorithm's placement for that routing (DeepSeek's, refined for how the routers spread tokens
+over replicas: `moe/eplb/refine.py`) is the current one; otherwise the MoE layers whose
 placement changes move in chunks of `--eplb-rebalance-layers-per-chunk`, one EPLB step between
 two model steps each, so no step carries the whole move and requests keep running in between
 (a layer routes by its new placement from the step its weights have moved in).
@@ -28,6 +29,7 @@ from safeserve.engine.plan import EplbCollect, EplbMove, EplbOp, EplbRankReport
 from safeserve.messages import EplbCheck, EplbCommand, EplbReply, EplbStatus
 from safeserve.moe.eplb.balancedness import BalancednessRecorder, layer_balancedness
 from safeserve.moe.eplb.location import placement_of_counts
+from safeserve.moe.eplb.refine import refine_placement
 from safeserve.moe.expert_map import ExpertMap
 
 logger = logging.getLogger(__name__)
@@ -136,6 +138,9 @@ class EplbController:
             )
         else:
             new = placement_of_counts(counts, m.num_physical, m.ep_size, self.num_groups, m.seed)
+            # DeepSeek's placement assumes equal shares per replica; the routers keep a rank's
+            # tokens on its own replicas: refine it for that (moe/eplb/refine.py)
+            new = refine_placement(new, sources)
             check.balancedness_predicted = predicted_balancedness(new, sources)
             layers = [i for i in range(m.num_layers) if new.phy2log[i] != m.phy2log[i]]
             if not layers:

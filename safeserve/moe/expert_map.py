@@ -171,7 +171,8 @@ class ExpertMap:
 
     def candidates(self, layer: int, logical: int, rank: int | None) -> tuple[int, ...]:
         """The replicas that the tokens of EP rank `rank` choosing `logical` in `layer` are
-        spread over, a token to each in turn (by its index in the batch): the rank's own
+        spread over, one (token, expert) pair to each in turn (the n-th pair of the batch
+        choosing `logical` to candidate n % count, `Router._spread_ids`): the rank's own
         replicas where it holds any (no transfer), ascending; else every replica, from a
         seeded offset per expert plus this rank's turn among the ranks holding none (so that
         their first tokens go to different replicas). Equal shares per replica, as the EPLB
@@ -251,8 +252,8 @@ class ExpertMap:
         self, rank: int | None, device: torch.device | str = "cpu"
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`candidates` of `rank` as tensors on `device`: `[L, E, max_replicas]` int64 slots
-        (each row's candidates repeated to the width) and `[L, E]` int64 their counts; a token
-        at index t choosing e takes `slots[layer, e, t % counts[layer, e]]`."""
+        (each row's candidates repeated to the width) and `[L, E]` int64 their counts; the n-th
+        pair of a batch choosing e takes `slots[layer, e, n % counts[layer, e]]`."""
         import torch
 
         rows = self.candidate_rows(rank)

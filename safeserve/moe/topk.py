@@ -54,6 +54,19 @@ class TopKOutput:
     router_logits: torch.Tensor  # [T, E] (kept for load statistics and tests)
 
 
+def _ordinal(key: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """For each entry of `key` ([N] ints in [0, num_keys)), how many earlier entries have its
+    value (0 for the first of a value)."""
+    n = key.shape[0]
+    order = torch.sort(key, stable=True).indices
+    position = torch.empty_like(order)
+    position[order] = torch.arange(n, device=key.device)
+    count = torch.zeros(num_keys, dtype=torch.int64, device=key.device)
+    count.index_add_(0, key, torch.ones_like(key))
+    first = count.cumsum(0) - count
+    return position - first[key]
+
+
 def grouped_topk(
     router_logits: torch.Tensor,
     cfg: RouterConfig,
@@ -98,9 +111,10 @@ class Router(torch.nn.Module):
         # each source share's candidates per expert (`ExpertMap.candidates`); S is 1 where this
         # rank routes its own tokens, the EP size where every rank routes the same tokens (share
         # s: the s-th contiguous equal share of them, as the all-to-all splits them). The
-        # kernels then map through the identity and token t of share s choosing e goes to
-        # `spread[s, e, t % spread_count[s, e]]`: an expert's replicas take equal shares.
-        # None: `logical_to_physical` alone.
+        # kernels then map through the identity and the n-th (token, expert) pair of share s
+        # choosing e in the batch (pairs in token order) goes to
+        # `spread[s, e, n % spread_count[s, e]]`: an expert's replicas take equal shares of
+        # each batch (within one). None: `logical_to_physical` alone.
         self.register_buffer("spread", None, persistent=False)
         self.register_buffer("spread_count", None, persistent=False)
         # Fault injection (route_skew): the first expert every token is sent to, -1 = off. A
@@ -158,19 +172,26 @@ class Router(torch.nn.Module):
         self.spread_count.copy_(counts)  # type: ignore[union-attr]
 
     def _spread_ids(self, logical_ids: torch.Tensor) -> torch.Tensor:
-        """Each token's choices over the candidates of its source share (`spread`), one token
-        to each candidate in turn."""
+        """Each token's choices over the candidates of its source share (`spread`): the pairs of
+        a share choosing an expert go to its candidates in turn, in token order (the n-th such
+        pair to candidate n % count), so every candidate takes an equal share of the batch's
+        pairs, within one. Counting turns per expert, not by token index: with the index a
+        candidate took every token whose index it matched, and an expert's few tokens of a
+        decode batch could all land on one replica. No host sync (CUDA graphs hold it)."""
         assert self.spread is not None and self.spread_count is not None
-        n, sources = logical_ids.shape[0], self.spread.shape[0]
-        t = torch.arange(n, device=logical_ids.device)[:, None]
+        n, k = logical_ids.shape[0], logical_ids.shape[1]
+        sources, experts = self.spread.shape[0], self.spread.shape[1]
         if sources == 1:  # this rank's own tokens: one table
-            slots, counts = self.spread[0], self.spread_count[0]
-            return slots[logical_ids, t % counts[logical_ids]]
-        base, extra = divmod(n, sources)
-        cut = extra * (base + 1)
-        source = torch.where(t < cut, t // (base + 1), extra + (t - cut) // max(base, 1))
-        source = source.expand_as(logical_ids)
-        turn = t % self.spread_count[source, logical_ids]
+            source = torch.zeros_like(logical_ids)
+        else:
+            t = torch.arange(n, device=logical_ids.device)[:, None]
+            base, extra = divmod(n, sources)
+            cut = extra * (base + 1)
+            source = torch.where(t < cut, t // (base + 1), extra + (t - cut) // max(base, 1))
+            source = source.expand_as(logical_ids)
+        key = (source * experts + logical_ids).reshape(-1)  # (share, expert) of each pair
+        turn = _ordinal(key, sources * experts).view(n, k)
+        turn = turn % self.spread_count[source, logical_ids]
         return self.spread[source, logical_ids, turn]
 
     @property

@@ -330,9 +330,10 @@ def test_candidates_own_replicas_first_else_every_replica() -> None:
 
 @pytest.mark.parametrize("source", [None, 1])
 def test_routing_spreads_an_experts_tokens_over_its_candidates(source: int | None) -> None:
-    """With replicas, token t choosing e goes to candidate `t % count` of its source: this
-    rank's (attention data-parallel), or, where every rank routes the same tokens (None), the
-    rank whose contiguous share of the tokens t is in (as the all-to-all splits them)."""
+    """With replicas, the n-th pair of a source's tokens choosing e goes to candidate
+    `n % count` of its source: this rank's (attention data-parallel), or, where every rank
+    routes the same tokens (None), the rank whose contiguous share of the tokens t is in (as the
+    all-to-all splits them), counting within that share."""
     from safeserve.moe.layer import write_expert_map
 
     layers = [_Moe()]
@@ -350,9 +351,42 @@ def test_routing_spreads_an_experts_tokens_over_its_candidates(source: int | Non
     shares = [0, 0, 0, 1, 1]  # 5 tokens over 2 ranks: 3 and 2
     for t in range(5):
         rank = source if source is not None else shares[t]
+        n = t if source is not None else t - shares.index(shares[t])  # every token picks e
         for j, e in enumerate((0, 3)):
             cands = m.candidates(0, e, rank)
-            assert ids[t, j] == cands[t % len(cands)], (t, e)
+            assert ids[t, j] == cands[n % len(cands)], (t, e)
     assert set(ids[:, 1].tolist()) == {3, 5}  # expert 3's two replicas both work
     with pytest.raises(ValueError, match="give \\[S, E, M\\] rows"):
         gate.set_expert_map(torch.arange(4))
+
+
+@pytest.mark.parametrize("source", [None, 1])
+def test_an_experts_pairs_take_its_candidates_in_turn_whatever_their_token_index(
+    source: int | None,
+) -> None:
+    """Turns are counted per expert, not by token index: the tokens choosing expert 3 at the
+    even indices of a batch split over rank 1's two replicas of it (by index, t % 2, they all
+    went to the first),
+    and every expert's candidates take equal shares of each share's pairs, within one."""
+    from safeserve.moe.layer import write_expert_map
+
+    layers = [_Moe()]
+    m = ExpertMap.from_phy2log([[0, 1, 2, 3, 3, 0, 1, 3]], 4, 2, seed=1)
+    write_expert_map(layers, m, source)  # type: ignore[arg-type]
+    gate = layers[0].gate
+    gen = torch.Generator().manual_seed(2)
+    logical = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(12)])
+    logical[::2, 0] = 3  # expert 3 at every even index
+    logical[::2, 1] = torch.where(logical[::2, 1] == 3, 2, logical[::2, 1])
+    ids = gate._spread_ids(logical)
+    shares = [range(12)] if source is not None else [range(6), range(6, 12)]
+    for s, rows in enumerate(shares):
+        rank = source if source is not None else s
+        for e in range(4):
+            cands = m.candidates(0, e, rank)
+            got = [int(ids[t, j]) for t in rows for j in range(2) if logical[t, j] == e]
+            assert got == [cands[n % len(cands)] for n in range(len(got))], (s, e)
+            per = [got.count(c) for c in cands]
+            assert max(per) - min(per) <= 1
+    # rank 1 holds expert 3 twice (slots 4, 7); rank 0 once (slot 3)
+    assert set(ids[::2, 0].tolist()) == ({4, 7} if source == 1 else {3, 4, 7})
