@@ -413,7 +413,6 @@ class ModelRunner:
                     meta,
                 )
             )
-        enter: list = []
         if self.dispatcher is not None:
             if self.layout.dp_attention:
                 halves = [list(split), [n - k for n, k in zip(sizes, split, strict=True)]]

@@ -105,6 +105,8 @@ class Dispatcher(ABC):
     _layer_loads: list[Any] | None = None
     _micro: list[MicroBatch] | None = None
     _halves: tuple[DispatchBuffers, DispatchBuffers] | None = None
+    # The whole step's context while its micro-batches run (`end_micro_batches` restores it).
+    _whole: tuple[StepTokens | None, DispatchBuffers | None] = (None, None)
     _balance: BalancednessRecorder | None = None
     # While a CUDA graph captures a step: the step's host bookkeeping, to run after each replay.
     _tape: list[Callable[[], None]] | None = None
