@@ -4,7 +4,8 @@ fails, continue it on another group as a continuation (prompt + every token alre
 the remaining `max_tokens`, the same sampling and seed), so the client's stream goes on with no
 token lost or repeated. A request that was in flight on a failed group is a suspect: it migrates
 once, onto a group holding no other suspect, and is quarantined if that group fails too
-(`safeserve.guards.quarantine`). An engine error in the request alone ends that request (500
+(`safeserve.guards.quarantine`); a group that failed because a node agent running its ranks was
+lost makes no suspects (the host failed, not a request). An engine error in the request alone ends that request (500
 `internal_error`); its group is fine, so it is not retried.
 
 A request that is still waiting in its group (no output received, so no token generated and
@@ -82,10 +83,16 @@ class Generation:
         self.finished = False
         self.arrival = time.monotonic()
         self.first_token_at: float | None = None
-        self.supervisor: Supervisor = gen.router.pick()  # NoGroupReady -> 503 at the edge
-        self.queue = self.supervisor.client.submit(self.engine_rid, prompt_ids, params)  # type: ignore[union-attr]
+        self._submit(gen.router.pick(), prompt_ids, params)  # NoGroupReady -> 503 at the edge
         self._pending: RequestOutput | None = None
         gen.metrics.prompt_tokens.inc(len(prompt_ids))
+
+    def _submit(self, sup: Supervisor, prompt: list[int], params: SamplingParams) -> None:
+        """Submits to `sup`'s group and remembers the incarnation (its client) it went to: a
+        failure is judged by that incarnation's cause, whatever the group is running since."""
+        assert sup.client is not None
+        self.supervisor, self.client = sup, sup.client
+        self.queue = sup.client.submit(self.engine_rid, prompt, params)
 
     @property
     def engine_rid(self) -> str:
@@ -116,8 +123,7 @@ class Generation:
         assert old_client is not None and sup.client is not None
         old_client.abort(self.engine_rid)
         self.moves += 1
-        self.supervisor = sup
-        self.queue = sup.client.submit(self.engine_rid, self.prompt_ids, self.params)
+        self._submit(sup, self.prompt_ids, self.params)
         old_queue.put_nowait(RequestOutput(self.rid, [], MOVED))  # wakes its reader
         self.owner.router.count(sup, "moved")
         logger.info(
@@ -187,7 +193,12 @@ class Generation:
         if remaining <= 0:  # everything was produced; only the finish was lost with the group
             self._pending = RequestOutput(self.rid, [], "length", self.num_prompt_tokens, 0)
             return
-        if gen.qod.enabled:
+        # A lost node agent (killed, frozen, cut off) is its host's failure, not a request's:
+        # what was in flight there becomes no suspect (a suspect from an earlier failure stays
+        # one, and is not quarantined for this one).
+        host_failure = self.client.node_lost
+        suspect = gen.qod.enabled and (not host_failure or self.rid in gen.qod.suspects)
+        if gen.qod.enabled and not host_failure:
             quarantine = gen.qod.group_failed(self.rid, self.fingerprint, failed_group)
             if quarantine is not None:
                 self._quarantined(quarantine)
@@ -203,7 +214,7 @@ class Generation:
             else self.params.prompt_logprobs,
         )
         prompt = self.prompt_ids + self.produced
-        if gen.qod.enabled:
+        if suspect:
             await self._migrate_suspect(prompt, params, failed_group)
             return
         try:
@@ -220,8 +231,7 @@ class Generation:
                         sup = await gen.router.wait_pick(
                             args.migration_wait_s, exclude=failed_group, reason="migrated"
                         )
-                        self.supervisor = sup
-                        self.queue = sup.client.submit(self.engine_rid, prompt, params)  # type: ignore[union-attr]
+                        self._submit(sup, prompt, params)
                         gen.metrics.migrations.inc()
                         logger.info(
                             "request %s: group %d failed after %d tokens; continuing on group %d",
@@ -258,8 +268,7 @@ class Generation:
                 f"no READY group free of other suspects took it within {args.migration_wait_s:g} s"
             )
         gen.qod.place(self.rid, sup.group)  # no await since the pick: no other suspect got it
-        self.supervisor = sup
-        self.queue = sup.client.submit(self.engine_rid, prompt, params)  # type: ignore[union-attr]
+        self._submit(sup, prompt, params)
         gen.metrics.migrations.inc()
         logger.warning(
             "request %s (fingerprint %s) was in flight on group %d when it failed (%d tokens "

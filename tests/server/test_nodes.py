@@ -30,6 +30,7 @@ from serving import (
     admin_groups,
     die_with_parent,
     free_port,
+    metric,
     oncall,
     sse_chunk,
     start_server,
@@ -210,6 +211,10 @@ def test_node_loss_costs_its_group_only_and_no_request(cluster, checkpoint: Path
     for i, r in enumerate(results):
         assert not r["errors"], r["errors"]
         assert r["ids"] == ref[i], i  # nothing lost, nothing repeated
+    # the lost node's requests moved on together: a host failure makes no query-of-death suspects
+    assert metric(s, "safeserve:request_migrations_total") >= 1
+    assert metric(s, "safeserve:requests_suspect_cleared_total") == 0
+    assert metric(s, "safeserve:requests_suspect") == 0
     node = next(n for n in _nodes(s)["nodes"] if n["id"] == victim)
     assert node["state"] == "LOST", node
     (g,) = [g for g in admin_groups(s) if g["id"] == spanning]

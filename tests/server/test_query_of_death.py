@@ -90,6 +90,7 @@ class _Client:
         self.queues: dict[str, asyncio.Queue] = {}
         self.submitted: list[tuple[str, list[int]]] = []
         self.stats = EngineStats()
+        self.node_lost = False  # failed because a node agent running its ranks was lost
 
     def submit(self, rid: str, prompt: list[int], params: SamplingParams) -> asyncio.Queue:
         self.queues[rid] = q = asyncio.Queue()
@@ -118,8 +119,9 @@ class _Group:
     def load(self) -> int:
         return len(self.client.queues)
 
-    def fail(self, router) -> None:  # type: ignore[no-untyped-def]
+    def fail(self, router, node_lost: bool = False) -> None:  # type: ignore[no-untyped-def]
         self.up = False
+        self.client.node_lost = node_lost
         for rid, q in self.client.queues.items():
             q.put_nowait(RequestOutput(rid, [], "group_failed"))
         self.client = _Client()  # the next incarnation
@@ -159,6 +161,58 @@ async def _until(cond, timeout: float = 5.0) -> None:  # type: ignore[no-untyped
     while not cond():
         assert time.monotonic() < deadline
         await asyncio.sleep(0.01)
+
+
+def test_a_lost_node_makes_no_suspects_and_its_requests_move_on_together() -> None:
+    async def run() -> None:
+        gen, (g0, g1) = _generator()
+        params = SamplingParams(max_tokens=4, temperature=0.0)
+        g1.up = False  # both start on group 0
+        a = gen.start("a", [10, 11], params, [])
+        b = gen.start("b", [20, 21], params, [])
+        g1.up = True
+        ta, tb = asyncio.create_task(_drain(a)), asyncio.create_task(_drain(b))
+        g0.client.out("a", [5])
+        g0.client.out("b", [6])
+        await asyncio.sleep(0.05)
+        g0.fail(gen.router, node_lost=True)  # its node agent was lost: the host, not a request
+        # both continue on group 1 at once (a suspect would wait for a group free of others)
+        await _until(lambda: len(g1.client.queues) == 2)
+        assert _sample(gen, "requests_suspect") == 0
+        assert gen.qod.suspects == {}
+        for rid, first in (("a", 5), ("b", 6)):
+            assert [p for r, p in g1.client.submitted if r == rid][-1][-1] == first
+            g1.client.out(rid, [7, 8, 9], "length")
+        assert await ta == ([5, 7, 8, 9], None) and await tb == ([6, 7, 8, 9], None)
+        assert _sample(gen, "request_migrations_total") == 2
+        assert _sample(gen, "requests_suspect_cleared_total") == 0
+
+    asyncio.run(run())
+
+
+def test_a_suspect_whose_next_group_loses_its_node_stays_a_suspect_not_quarantined() -> None:
+    async def run() -> None:
+        gen, (g0, g1) = _generator()
+        params = SamplingParams(max_tokens=4, temperature=0.0)
+        g1.up = False
+        a = gen.start("a", [10, 11], params, [])
+        g1.up = True
+        ta = asyncio.create_task(_drain(a))
+        g0.client.out("a", [5])
+        await asyncio.sleep(0.05)
+        g0.fail(gen.router)  # a crash: a is a suspect, continued on group 1
+        await _until(lambda: len(g1.client.queues) == 1)
+        assert gen.qod.suspects["a"].group == 1
+        g0.up = True
+        g1.fail(gen.router, node_lost=True)  # then group 1's node is lost: not a's doing
+        await _until(lambda: len(g0.client.queues) == 1)
+        assert gen.qod.suspects["a"].group == 0 and gen.qod.held() == []
+        g0.client.out("a", [7, 8, 9], "length")
+        assert await ta == ([5, 7, 8, 9], None)
+        assert _sample(gen, "requests_quarantined_total") == 0
+        assert _sample(gen, "requests_suspect_cleared_total") == 1
+
+    asyncio.run(run())
 
 
 def test_one_suspect_per_group_quarantine_on_the_second_failure_and_refusal() -> None:

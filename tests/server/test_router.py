@@ -27,6 +27,7 @@ class _Client:
         self.ready = True
         self.submitted: list[str] = []
         self.aborted: list[str] = []
+        self.node_lost = False
 
     def submit(self, rid: str, prompt: list[int], params: SamplingParams) -> asyncio.Queue:
         self.queues[rid] = q = asyncio.Queue()
