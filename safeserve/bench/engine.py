@@ -78,6 +78,7 @@ def _run_point(
     step_bytes: list[int] = []
     expert_counts: list[float] = []
     graphs = runner.cuda_graphs
+    replays_before = graphs.replays if graphs is not None else 0
     for j in range(1, output_len):
         pos = len(prompts[0]) + j - 1
         seqs = [
@@ -109,6 +110,7 @@ def _run_point(
         "experts_per_layer": expert_counts,
         "steps": step - step_base,
         "outputs": outputs,
+        "graph_replays": (graphs.replays - replays_before) if graphs is not None else 0,
     }
 
 
@@ -124,6 +126,8 @@ def _summarize(raw: dict, output_len: int, ceiling: float) -> dict:
         "decode_tok_s": batch * len(steps) / decode_s,
         "decode_step_ms": statistics.median(steps) * 1e3,
         "decode_step_mean_ms": statistics.mean(steps) * 1e3,
+        # decode steps of this point that replayed a captured CUDA graph (of len(steps))
+        "decode_graph_replays": raw["graph_replays"],
     }
     if raw["step_bytes"]:
         mean_bytes = statistics.mean(raw["step_bytes"])
