@@ -376,6 +376,16 @@ class ServerArgs:
         "How long a group start waits for node agents with free devices (--placement remote).",
         "nodes",
     )
+    nnodes: int | None = _flag(
+        None,
+        "Each group spans exactly this many node agents, --tp-size / N ranks on each: the agents "
+        "of one set (`safeserve node --node-set`, by default their --dist-init-addr) with "
+        "--node-rank 0..N-1, the group's k-th block of ranks on node-rank k, so its rank 0 (the "
+        "leader, and the rendezvous) is on node-rank 0. Default: each group on one agent where "
+        "one has room, else spread over the agents with the most free devices; 1: always on one "
+        "agent. More than 1 needs --placement remote.",
+        "nodes",
+    )
 
     # -- admin ---------------------------------------------------------------------------------
     admin_host: str = _flag(
@@ -593,6 +603,19 @@ class ServerArgs:
     def _check_nodes(self) -> None:
         if self.placement not in PLACEMENTS:
             raise ConfigError(f"--placement must be one of {', '.join(PLACEMENTS)}")
+        if self.nnodes is not None:
+            if self.nnodes < 1:
+                raise ConfigError(f"--nnodes must be at least 1, got {self.nnodes}")
+            if self.nnodes > 1 and self.placement != "remote":
+                raise ConfigError(
+                    f"--nnodes {self.nnodes} needs --placement remote: with --placement local "
+                    "every rank runs on this host (run `safeserve node` on each host instead)"
+                )
+            if self.tp_size % self.nnodes:
+                raise ConfigError(
+                    f"--tp-size {self.tp_size} does not split evenly over --nnodes {self.nnodes} "
+                    "(each node agent runs --tp-size / --nnodes of a group's ranks)"
+                )
         if not 0 < self.node_port <= 65535:
             raise ConfigError(f"--node-port must be in 1..65535, got {self.node_port}")
         if not self.node_lease_s > 0 or not self.node_wait_s > 0:

@@ -334,6 +334,12 @@ class NodeHello:
     host: str  # the address its ranks rendezvous on (torch.distributed's TCP store)
     devices: list[int]
     pid: int
+    # Its place in a set of agents that groups span (`safeserve node --node-set --node-rank
+    # --nnodes`, the frontend's --nnodes): None where not given.
+    node_set: str | None = None
+    node_rank: int | None = None
+    nnodes: int | None = None
+    dist_init_addr: str | None = None  # HOST:PORT, the rendezvous of groups led here
 
 
 @dataclass

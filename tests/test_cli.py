@@ -324,3 +324,55 @@ def test_remote_placement_needs_no_local_cuda_device(
     err = capsys.readouterr().err
     assert rc == 2 and "stopped before the app was built" in err, err
     assert "CUDA devices" not in err
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["serve", "--nnodes", "2"], "--nnodes 2 needs --placement remote"),
+        (["serve", "--nnodes", "0"], "--nnodes must be at least 1, got 0"),
+        (
+            ["serve", "--placement", "remote", "--insecure-nodes", "--tp-size", "3"]
+            + ["--nnodes", "2"],
+            "--tp-size 3 does not split evenly over --nnodes 2",
+        ),
+        (["node", "--nnodes", "2"], "--nnodes needs --node-rank"),
+        (["node", "--nnodes", "2", "--node-rank", "2"], "--node-rank 2 is not below --nnodes 2"),
+        (["node", "--node-rank", "-1"], "--node-rank must be 0 or more, got -1"),
+        (["node", "--nnodes", "0", "--node-rank", "0"], "--nnodes must be at least 1"),
+        (["node", "--dist-init-addr", "10.0.0.1"], "--dist-init-addr must be HOST:PORT"),
+        (["node", "--dist-init-addr", "10.0.0.1:70000"], "with a port in 1..65535"),
+        (["node", "--dist-init-addr", ":29500"], "--dist-init-addr must be HOST:PORT"),
+        (["node", "--dist-init-addr", "::1:29500"], "--dist-init-addr must be HOST:PORT"),
+        (["node", "--node-set", " "], "--node-set must not be empty"),
+        (["node", "--frontend", "frontend"], "--frontend must be HOST:PORT"),
+    ],
+)
+def test_span_flags_are_refused_with_one_line(
+    argv: list[str], message: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """`serve --nnodes`, `node --nnodes --node-rank --dist-init-addr --node-set`: a bad value
+    is one line on stderr and exit 2, before anything starts."""
+    import logging
+
+    from safeserve import cli
+
+    monkeypatch.setattr(logging, "basicConfig", lambda **kw: None)  # leave the root logger be
+    if argv[0] == "node":
+        argv = ["node", "--frontend", "127.0.0.1:8002", "--insecure", *argv[1:]]
+    assert cli.main(argv) == 2
+    out, err = capsys.readouterr()
+    assert message in err and not out, (out, err)
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_span_addresses_parse() -> None:
+    from safeserve.node.agent import join_addr, parse_addr
+
+    assert parse_addr("safeserve-agents-0.safeserve-agents:29500", "--x") == (
+        "safeserve-agents-0.safeserve-agents",
+        29500,
+    )
+    assert parse_addr("[fd00::7]:29500", "--x") == ("fd00::7", 29500)
+    assert join_addr("fd00::7", 29500) == "[fd00::7]:29500"
+    assert ServerArgs(nnodes=1).nnodes == 1  # one node: fine with --placement local

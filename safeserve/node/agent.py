@@ -66,6 +66,12 @@ class NodeOptions:
     devices: list[int]
     curve_keys_dir: str | None = None
     insecure: bool = False
+    # Its place in a set of agents a group spans (the frontend's --nnodes); None: not given.
+    node_set: str | None = None
+    node_rank: int | None = None
+    nnodes: int | None = None
+    # (host, port): the rendezvous of groups whose rank 0 runs here; None: --host, a free port
+    dist_init_addr: tuple[str, int] | None = None
 
 
 @dataclass
@@ -80,6 +86,7 @@ class LocalGroup:
     heartbeats: zmq.Socket
     procs: dict[int, mp.process.BaseProcess] = field(default_factory=dict)  # rank -> process
     stop_at: float | None = None  # kill what is still running at this time
+    port: int | None = None  # the --dist-init-addr port its rank 0 listens on, if it does
 
 
 class Agent:
@@ -151,7 +158,19 @@ class Agent:
 
     def _hello(self) -> None:
         o = self.opts
-        self._send(NodeHello(o.node_id, self.agent_id, o.host, list(o.devices), os.getpid()))
+        self._send(
+            NodeHello(
+                o.node_id,
+                self.agent_id,
+                o.host,
+                list(o.devices),
+                os.getpid(),
+                o.node_set,
+                o.node_rank,
+                o.nnodes,
+                None if o.dist_init_addr is None else join_addr(*o.dist_init_addr),
+            )
+        )
 
     def _beat(self) -> None:
         self._send(NodeBeat(self.opts.node_id, time.monotonic(), list(self.groups)))
@@ -222,8 +241,8 @@ class Agent:
         heartbeats = self.ctx.socket(zmq.PULL)
         heartbeats.bind(addrs.heartbeats)
         g = LocalGroup(msg.group, msg.incarnation, ipc_dir, requests, outputs, heartbeats)
+        init_method = msg.init_method or self._rendezvous(g)
         self.groups[key] = g
-        init_method = msg.init_method or f"tcp://{self.opts.host}:{free_port(self.opts.host)}"
         ctx = mp.get_context("spawn")
         fail = args.fault_fail_start_group == msg.group
         for rank, device in zip(msg.ranks, msg.devices, strict=True):
@@ -245,6 +264,18 @@ class Agent:
             init_method,
         )
         self._send(RanksSpawned(msg.group, msg.incarnation, list(msg.ranks), pids, init_method))
+
+    def _rendezvous(self, g: LocalGroup) -> str:
+        """The TCP store of a group whose rank 0 runs here: --dist-init-addr (its port, or the
+        next one no other group of this agent holds), else --host and a free port."""
+        if self.opts.dist_init_addr is None:
+            return f"tcp://{join_addr(self.opts.host, free_port(self.opts.host))}"
+        host, port = self.opts.dist_init_addr
+        held = {x.port for x in self.groups.values()}
+        while port in held:
+            port += 1
+        g.port = port
+        return f"tcp://{join_addr(host, port)}"
 
     def _stop(self, g: LocalGroup, grace_s: float) -> None:
         if grace_s > 0 and g.requests is not None:
@@ -310,6 +341,24 @@ class Agent:
 
 def _registered(poller: zmq.Poller) -> set:
     return {s for s, _ in poller.sockets}
+
+
+def parse_addr(value: str, flag: str) -> tuple[str, int]:
+    """`HOST:PORT` (`[V6]:PORT` for an IPv6 address) -> (host, port); ValueError (one line,
+    naming `flag`) for anything else or a port outside 1..65535."""
+    host, sep, port = value.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        host = ""  # an IPv6 address without brackets: its port cannot be told apart
+    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise ValueError(f"{flag} must be HOST:PORT with a port in 1..65535, got {value!r}")
+    return host, int(port)
+
+
+def join_addr(host: str, port: int) -> str:
+    """(host, port) -> `HOST:PORT`, an IPv6 address in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def parse_devices(spec: str) -> list[int]:

@@ -174,6 +174,13 @@ def describe_node(view: dict[str, Any], node_id: str, groups: list[dict[str, Any
         f"Devices:     {', '.join(map(str, n['devices']))} ({len(n['free_devices'])} free)",
         f"Last beat:   {n['beat_age_s']:.1f}s ago (lease {view['lease_s']:g}s)",
     ]
+    if n.get("node_rank") is not None:
+        of = f" of {n['nnodes']}" if n.get("nnodes") else ""
+        lines.append(f"Set:         {n['node_set'] or '(unnamed)'}, node-rank {n['node_rank']}{of}")
+    if n.get("dist_init_addr"):
+        lines.append(f"Rendezvous:  {n['dist_init_addr']} (groups whose rank 0 runs here)")
+    if n.get("takes_no_group"):
+        lines.append(f"No groups:   {n['takes_no_group']}")
     if n["lost_reason"]:
         lines.append(f"Lost:        {n['lost_reason']}")
     lines.append("Ranks:")
@@ -182,8 +189,10 @@ def describe_node(view: dict[str, Any], node_id: str, groups: list[dict[str, Any
         lines.append("  (none)")
     for r in n["ranks"]:
         state = states.get(r["group"], "?")
+        rank = "" if r.get("rank") is None else f" rank {r['rank']}"
         lines.append(
-            f"  device {r['device']}: group {r['group']} ({state}), incarnation {r['incarnation']}"
+            f"  device {r['device']}: group {r['group']}{rank} ({state}), "
+            f"incarnation {r['incarnation']}"
         )
     refused = view.get("refused") or {}
     if refused:

@@ -22,7 +22,7 @@ from safeserve.messages import FAULT_KINDS, DispatchStats, GuardSizing, InjectFa
 from safeserve.moe.eplb.balancedness import group_balancedness
 from safeserve.server.eplb_admin import eplb_summary, install_eplb_routes
 from safeserve.server.errors import APIError, bad_request, install_error_handlers, require_bearer
-from safeserve.server.nodes import RemoteRank
+from safeserve.server.nodes import Node, NodeHub, RemoteRank
 from safeserve.server.protocol import decode_json
 from safeserve.server.state import ServerState
 
@@ -195,10 +195,13 @@ def node_view(state: ServerState) -> dict[str, Any]:
                 "agent_pid": n.pid,
                 "devices": n.devices,
                 "free_devices": n.free,
-                "ranks": [
-                    {"device": d, "group": g, "incarnation": inc}
-                    for d, (g, inc) in sorted(n.used.items())
-                ],
+                "node_set": n.node_set,
+                "node_rank": n.node_rank,
+                "nnodes": n.nnodes,
+                "dist_init_addr": n.dist_init_addr,
+                # why it takes no group under --nnodes (None: it may)
+                "takes_no_group": hub.span_refusal(n),
+                "ranks": [_rank_on(hub, n, d, g, inc) for d, (g, inc) in sorted(n.used.items())],
                 "beat_age_s": round(max(0.0, now - n.last_beat), 3),
                 "connected_at": n.connected_at,
             }
@@ -207,8 +210,25 @@ def node_view(state: ServerState) -> dict[str, Any]:
     return {
         "placement": "remote",
         "lease_s": state.args.node_lease_s,
+        "nnodes": state.args.nnodes,
         "nodes": nodes,
         "refused": refused,
+    }
+
+
+def _rank_on(hub: NodeHub, node: Node, device: int, group: int, incarnation: int) -> dict[str, Any]:
+    """A rank a node runs: its device, group, incarnation, rank in the group and the group's
+    rendezvous."""
+    link = hub.links.get((group, incarnation))
+    rank = None
+    if link is not None:
+        rank = next((r.rank for r in link.ranks if r.node is node and r.device == device), None)
+    return {
+        "device": device,
+        "group": group,
+        "incarnation": incarnation,
+        "rank": rank,
+        "rendezvous": None if link is None else link.init_method,
     }
 
 

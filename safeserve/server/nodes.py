@@ -7,7 +7,9 @@ who they are (`NodeHello`) and beat (`NodeBeat`); every beat is answered with a 
 agent where one has room, else spread over several), relays the group's messages both ways in
 the typed encoding (`wire/codec.py`), and hands each incarnation a `RemoteLink`, the
 `GroupClient`'s view of its ranks: their processes as the agents report them, their outputs and
-heartbeats.
+heartbeats. With `--nnodes N` every group spans exactly N agents of one set (the agents' own
+`--node-set`, `--node-rank`), its k-th block of ranks on node-rank k: rank 0 on node-rank 0,
+whose agent opens the group's rendezvous (its `--dist-init-addr`).
 
 A node is lost when it has not beaten for `--node-lease-s`, or, sooner, when a connection
 dropped and it has not beaten since (noticed within two beats). Its ranks count as gone; their
@@ -70,6 +72,11 @@ class Node:
     lost_at: float | None = None  # time.time() it was found lost (chaos runs time detection)
     # devices in use: device -> (group, incarnation)
     used: dict[int, tuple[int, int]] = field(default_factory=dict)
+    # its place in a set of agents groups span (NodeHello); None: not given
+    node_set: str | None = None
+    node_rank: int | None = None
+    nnodes: int | None = None
+    dist_init_addr: str | None = None
 
     @property
     def free(self) -> list[int]:
@@ -105,6 +112,7 @@ class RemoteLink:
         self.heartbeats: asyncio.Queue[Heartbeat] = asyncio.Queue()
         self.fenced = False  # outputs from here on are dropped
         self.leader: Node | None = None
+        self.init_method: str | None = None  # the rendezvous rank 0's agent opened
 
     def send(self, msg: object) -> None:
         """To the group's leader, through its agent (never blocks; dropped when it cannot go)."""
@@ -194,25 +202,35 @@ class NodeHub:
     def free_devices(self) -> int:
         return sum(len(n.free) for n in self.nodes.values() if n.lost is None)
 
-    async def wait_for_devices(self, count: int, timeout: float) -> None:
+    async def wait_for_room(
+        self, tp: int, nnodes: int | None, timeout: float
+    ) -> list[tuple[Node, int]]:
+        """(node, device) per rank once the agents have room for a group (`_choose`), waiting
+        up to `timeout`."""
         deadline = time.monotonic() + timeout
-        while self.free_devices() < count:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise PlacementError(
-                    f"{count} free devices needed, {self.free_devices()} offered by "
-                    f"{sum(n.lost is None for n in self.nodes.values())} node agents after "
-                    f"{timeout:g} s"
-                )
+        while True:
+            try:
+                return self._choose(tp, nnodes)
+            except PlacementError as e:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise PlacementError(f"{e} after {timeout:g} s") from None
             self._changed.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), min(left, 1.0))
 
-    def _choose(self, tp: int) -> list[tuple[Node, int]]:
-        """(node, device) per rank: one node with room for the whole group where there is one
-        (the one with the fewest free devices that fits), else the nodes with the most free
-        devices first; ties by node id."""
+    def _choose(self, tp: int, nnodes: int | None = None) -> list[tuple[Node, int]]:
+        """(node, device) per rank. Without --nnodes: one node with room for the whole group
+        where there is one (the one with the fewest free devices that fits), else the nodes
+        with the most free devices first; ties by node id. With it, `_choose_span`."""
+        if nnodes is not None:
+            return self._choose_span(tp, nnodes)
         alive = [n for n in self.nodes.values() if n.lost is None and n.free]
+        if self.free_devices() < tp:
+            raise PlacementError(
+                f"{tp} free devices needed, {self.free_devices()} offered by "
+                f"{sum(n.lost is None for n in self.nodes.values())} node agents"
+            )
         fits = sorted(
             (n for n in alive if len(n.free) >= tp), key=lambda n: (len(n.free), n.node_id)
         )
@@ -225,12 +243,73 @@ class NodeHub:
                 return out
         raise PlacementError(f"no room for {tp} ranks on the node agents")
 
+    def _choose_span(self, tp: int, nnodes: int) -> list[tuple[Node, int]]:
+        """--nnodes N: tp / N ranks on each of N agents. N = 1: one agent, the one with the
+        fewest free devices that fits. N > 1: the agents of one set with node-ranks 0..N-1
+        (one live agent each, none announcing another --nnodes), block k of the ranks on
+        node-rank k; of the sets with room, the one with the fewest free devices (ties by
+        name)."""
+        per = tp // nnodes
+        alive = [n for n in self.nodes.values() if n.lost is None and n.nnodes in (None, nnodes)]
+        if nnodes == 1:
+            fits = sorted(
+                (n for n in alive if len(n.free) >= tp), key=lambda n: (len(n.free), n.node_id)
+            )
+            if not fits:
+                raise PlacementError(f"no node agent with {tp} free devices (--nnodes 1)")
+            return [(fits[0], d) for d in fits[0].free[:tp]]
+        sets: dict[str, dict[int, list[Node]]] = {}
+        for n in alive:
+            if n.node_rank is not None and n.node_rank < nnodes:
+                sets.setdefault(n.node_set or "", {}).setdefault(n.node_rank, []).append(n)
+        room = []
+        for name, ranks in sets.items():
+            members = [ranks.get(k, []) for k in range(nnodes)]
+            if all(len(m) == 1 and len(m[0].free) >= per for m in members):
+                room.append((sum(len(m[0].free) for m in members), name, [m[0] for m in members]))
+        if not room:
+            seen = "; ".join(
+                f"{name or '(unnamed)'}: "
+                + ", ".join(
+                    f"node-rank {k} {'+'.join(n.node_id for n in ns)} ({len(ns[0].free)} free)"
+                    for k, ns in sorted(ranks.items())
+                )
+                for name, ranks in sorted(sets.items())
+            )
+            raise PlacementError(
+                f"no set of {nnodes} node agents (--node-rank 0..{nnodes - 1}, one live agent "
+                f"each) with {per} free devices each; sets: {seen or 'none'}"
+            )
+        _, _, members = min(room, key=lambda x: (x[0], x[1]))
+        return [(m, d) for m in members for d in m.free[:per]]
+
+    def span_refusal(self, node: Node) -> str | None:
+        """Why a node takes no group under --nnodes (None: it may)."""
+        want = self.args.nnodes
+        if want is None or want == 1 and node.nnodes in (None, 1):
+            return None
+        if node.nnodes not in (None, want):
+            return f"it says --nnodes {node.nnodes}, the frontend's is {want}"
+        if node.node_rank is None:
+            return f"it has no --node-rank (the frontend's --nnodes is {want})"
+        if node.node_rank >= want:
+            return f"its --node-rank {node.node_rank} is not below the frontend's --nnodes {want}"
+        twins = [
+            n.node_id
+            for n in self.nodes.values()
+            if n is not node
+            and n.lost is None
+            and n.node_set == node.node_set
+            and n.node_rank == node.node_rank
+        ]
+        if twins:
+            return f"node-rank {node.node_rank} of its set is also {', '.join(sorted(twins))}"
+        return None
+
     async def place(self, group: int, incarnation: int, args: ServerArgs) -> RemoteLink:
         """Spawns the incarnation's ranks on the agents (waiting up to --node-wait-s for free
         devices); returns its link once every agent has answered."""
-        tp = args.tp_size
-        await self.wait_for_devices(tp, args.node_wait_s)
-        chosen = self._choose(tp)
+        chosen = await self.wait_for_room(args.tp_size, args.nnodes, args.node_wait_s)
         link = RemoteLink(self, group, incarnation)
         link.ranks = [RemoteRank(r, node, dev) for r, (node, dev) in enumerate(chosen)]
         link.leader = chosen[0][0]
@@ -265,17 +344,18 @@ class NodeHub:
                     raise PlacementError(f"node {nid} did not start its ranks") from None
                 finally:
                     self._spawned.pop(key, None)
-                init_method = done.init_method
+                init_method = link.init_method = done.init_method
                 for r, pid in zip(ranks, done.pids, strict=True):
                     r.pid = pid
         except BaseException:
             link.stop()
             raise
         logger.info(
-            "group %d incarnation %d placed: %s",
+            "group %d incarnation %d placed: %s; rendezvous %s",
             group,
             incarnation,
             ", ".join(f"rank {r.rank} on {r.node.node_id} device {r.device}" for r in link.ranks),
+            link.init_method,
         )
         return link
 
@@ -337,16 +417,30 @@ class NodeHub:
             return
         if old is not None:
             self._lose(old, "restarted (a new agent)")
-        self.nodes[msg.node_id] = Node(
-            msg.node_id, msg.agent_id, msg.host, list(msg.devices), msg.pid, identity
+        node = self.nodes[msg.node_id] = Node(
+            msg.node_id,
+            msg.agent_id,
+            msg.host,
+            list(msg.devices),
+            msg.pid,
+            identity,
+            node_set=msg.node_set,
+            node_rank=msg.node_rank,
+            nnodes=msg.nnodes,
+            dist_init_addr=msg.dist_init_addr,
         )
         logger.info(
-            "node %s joined: host %s, devices %s, agent pid %d",
+            "node %s joined: host %s, devices %s, agent pid %d%s",
             msg.node_id,
             msg.host,
             msg.devices,
             msg.pid,
+            ""
+            if msg.node_rank is None
+            else f", node-rank {msg.node_rank} of set {msg.node_set or '(unnamed)'}",
         )
+        if (why := self.span_refusal(node)) is not None:
+            logger.warning("node %s takes no group: %s", msg.node_id, why)
         self._changed.set()
         self.on_change()
 

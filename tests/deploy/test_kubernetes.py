@@ -6,7 +6,9 @@ the layout checks of the model they name; every probe path is a route of the app
 Service and probe ports are the flags' ports; the key Secrets, made as README.md says from
 `safeserve keys DIR` and projected as the volumes' items say, are what each end loads at
 --curve-keys-dir; nvidia.com/gpu equals the --devices an agent offers, and the agents offer
-the devices the groups need; the agents' liveness probe fails without an agent process.
+the devices the groups need; an LWS replica is one set of agents a group spans (the agents'
+--nnodes, --node-rank and --dist-init-addr from the variables LWS sets, its size the frontend's
+--nnodes); the agents' liveness probe fails without an agent process.
 
 PyYAML is no dependency of safeserve (transformers, huggingface_hub and schemathesis, test
 extras, require it): the tests skip without it."""
@@ -37,6 +39,12 @@ GPU = "nvidia.com/gpu"
 # What the downward API gives an agent pod, as example values: $(VAR) in args expands to these.
 FIELD_EXAMPLES = {"metadata.name": "safeserve-agents-0-1", "status.podIP": "10.0.3.7"}
 LWS_API = "leaderworkerset.x-k8s.io/v1"
+# What the LWS controller adds to the env of every container of an LWS pod (LWS_GROUP_SIZE is
+# the LWS's `size`), as example values of the pod above.
+LWS_ENV_EXAMPLES = {
+    "LWS_LEADER_ADDRESS": "safeserve-agents-0.safeserve-agents.default",
+    "LWS_WORKER_INDEX": "1",
+}
 
 
 # -- loading ------------------------------------------------------------------------------------
@@ -72,10 +80,11 @@ def container(pod: dict) -> dict:
     return c
 
 
-def expanded(c: dict) -> list[str]:
+def expanded(c: dict, injected: dict[str, str] | None = None) -> list[str]:
     """The container's args with $(VAR) expanded as Kubernetes does, from its env (downward
-    API fields as FIELD_EXAMPLES); a $(VAR) with no env entry fails."""
-    env = {}
+    API fields as FIELD_EXAMPLES) and the variables a controller adds to it (`injected`); a
+    $(VAR) with neither fails."""
+    env = dict(injected or {})
     for e in c.get("env", []):
         if "value" in e:
             env[e["name"]] = e["value"]
@@ -125,12 +134,18 @@ def serve_args(docs: list[dict]) -> ServerArgs:
     return server_args_from(strict_parse(add_server_args, expanded(c), "safeserve serve"))
 
 
-def node_args(pod: dict) -> argparse.Namespace:
+def lws_env(docs: list[dict]) -> dict[str, str]:
+    """The variables LWS adds to its pods' containers, as examples."""
+    size = one(docs, "LeaderWorkerSet")["spec"]["leaderWorkerTemplate"]["size"]
+    return {**LWS_ENV_EXAMPLES, "LWS_GROUP_SIZE": str(size)}
+
+
+def node_args(pod: dict, docs: list[dict]) -> argparse.Namespace:
     from safeserve.node.cli import add_node_args
 
     c = container(pod)
     assert c["command"] == ["safeserve", "node"], c["command"]
-    return strict_parse(add_node_args, expanded(c), "safeserve node")
+    return strict_parse(add_node_args, expanded(c, lws_env(docs)), "safeserve node")
 
 
 def container_port(c: dict, port: int | str) -> int:
@@ -228,18 +243,31 @@ def test_serve_layout_fits_the_model_it_names(docs: list[dict]) -> None:
 def test_node_flags_are_real_and_valid(docs: list[dict]) -> None:
     from safeserve.cli import build_parser
     from safeserve.node.agent import parse_devices
+    from safeserve.node.cli import node_options
 
     services = [d for d in docs if d["kind"] == "Service"]
     front = container(frontend_pod(docs))
     node_port = serve_args(docs).node_port
     for pod in agent_pods(docs):
         c = container(pod)
-        ns = node_args(pod)  # flag for flag first: its failure names the flag
-        assert build_parser(["node"]).parse_args(["node", *expanded(c)]).command == "node"
+        ns = node_args(pod, docs)  # flag for flag first: its failure names the flag
+        argv = ["node", *expanded(c, lws_env(docs))]
+        assert build_parser(["node"]).parse_args(argv).command == "node"
         assert parse_devices(ns.devices) and not ns.insecure and ns.curve_keys_dir
-        # the node id is the pod's name, the rendezvous address the pod's IP
+        opts = node_options(ns)  # the agent's own checks (it exits 2 on a bad value)
+        # the node id is the pod's name, the address its ranks are reached at the pod's IP
         assert env_source(c, "--node-id") == "metadata.name"
         assert env_source(c, "--host") == "status.podIP"
+        # its place in its LWS replica (the set of agents a group spans), from LWS's
+        # variables: the set's size, the pod's index, the rendezvous on the leader pod (which
+        # also names the set, one per replica)
+        args = [str(a) for a in c["args"]]
+        assert args[args.index("--nnodes") + 1] == "$(LWS_GROUP_SIZE)"
+        assert args[args.index("--node-rank") + 1] == "$(LWS_WORKER_INDEX)"
+        assert args[args.index("--dist-init-addr") + 1].startswith("$(LWS_LEADER_ADDRESS):")
+        assert "--node-set" not in args
+        assert opts.node_set == ns.dist_init_addr and opts.dist_init_addr is not None
+        assert opts.dist_init_addr[0] == LWS_ENV_EXAMPLES["LWS_LEADER_ADDRESS"]
         # --frontend: a Service of the frontend, at the port that leads to --node-port
         host, _, port = ns.frontend.rpartition(":")
         (svc,) = [s for s in services if host.split(".")[0] == s["metadata"]["name"]]
@@ -361,7 +389,9 @@ def test_key_secrets_give_each_end_what_it_loads(docs: list[dict], tmp_path: Pat
     keys.generate(made)
     secrets = readme_secrets()
     ends = [(frontend_pod(docs), serve_args(docs).curve_keys_dir, keys.FRONTEND, keys.NODE)]
-    ends += [(p, node_args(p).curve_keys_dir, keys.NODE, keys.FRONTEND) for p in agent_pods(docs)]
+    ends += [
+        (p, node_args(p, docs).curve_keys_dir, keys.NODE, keys.FRONTEND) for p in agent_pods(docs)
+    ]
     names = set()
     for i, (pod, keys_dir, role, other) in enumerate(ends):
         mount, vol = volume_at(pod, keys_dir)
@@ -388,7 +418,7 @@ def test_gpus_match_devices_and_groups(docs: list[dict]) -> None:
     offered = 0
     for pod in agent_pods(docs):
         res = container(pod)["resources"]
-        n = len(parse_devices(node_args(pod).devices))
+        n = len(parse_devices(node_args(pod, docs).devices))
         assert int(res["requests"][GPU]) == int(res["limits"][GPU]) == n, res
         offered = n
     pods = lws["replicas"] * lws["leaderWorkerTemplate"]["size"]
@@ -396,6 +426,7 @@ def test_gpus_match_devices_and_groups(docs: list[dict]) -> None:
     assert pods * offered >= args.num_groups * args.tp_size
     size = lws["leaderWorkerTemplate"]["size"]
     assert size * offered == args.tp_size, "an LWS replica is sized as one EP group"
+    assert args.nnodes == size, "a group spans the pods of one LWS replica"
     res = container(frontend_pod(docs)).get("resources", {})
     assert GPU not in {**res.get("requests", {}), **res.get("limits", {})}, (
         "the frontend needs none"

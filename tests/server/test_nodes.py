@@ -26,16 +26,8 @@ import psutil
 import pytest
 import torch
 import zmq
-from serving import (
-    admin_groups,
-    die_with_parent,
-    free_port,
-    metric,
-    oncall,
-    sse_chunk,
-    start_server,
-    stop_server,
-)
+from agents import completion_ids, greedy, kill_tree, nodes_view, prompt, start_agent
+from serving import admin_groups, free_port, metric, oncall, sse_chunk, start_server, stop_server
 from transformers import AutoModelForCausalLM
 
 from safeserve import messages as m
@@ -47,48 +39,13 @@ N, TOKENS = 6, 20
 NODES = {"a": ("127.0.0.1", "0,1"), "b": ("127.0.0.2", "0"), "c": ("127.0.0.3", "0")}
 
 
-def _prompt(i: int) -> list[int]:
-    return [(29 * i + 7 * j) % 250 + 3 for j in range(4 + i)]
-
-
 def _greedy(hf, ids: list[int]) -> list[int]:  # type: ignore[no-untyped-def]
-    ids = list(ids)
-    with torch.no_grad():
-        for _ in range(TOKENS):
-            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[-TOKENS:]
+    return greedy(hf, ids, TOKENS)
 
 
 def _agent(node: str, port: int, key_dir: Path, log: Path) -> subprocess.Popen:
     """Agent `node`, reaching the frontend at `port` (its own proxy's)."""
-    host, devices = NODES[node]
-    cmd = [sys.executable, "-m", "safeserve.cli", "node", "--frontend", f"127.0.0.1:{port}"]
-    cmd += ["--node-id", node, "--host", host, "--devices", devices]
-    cmd += ["--curve-keys-dir", str(key_dir)]
-    return subprocess.Popen(
-        cmd,
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,  # its own process tree, as on its own host
-        preexec_fn=die_with_parent,
-    )
-
-
-def _kill_tree(p: subprocess.Popen) -> None:
-    try:
-        tree = [p.pid] + [c.pid for c in psutil.Process(p.pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return
-    for pid in tree:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    p.wait(10)
-
-
-def _nodes(s) -> dict:  # type: ignore[no-untyped-def]
-    return httpx.get(s.admin_url + "/admin/nodes", timeout=10).json()
+    return start_agent(node, port, key_dir, log, *NODES[node])
 
 
 @pytest.fixture(scope="module")
@@ -118,14 +75,14 @@ def cluster(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):  # type
         if s is not None:
             stop_server(s.proc)
         for p in agents.values():
-            _kill_tree(p)
+            kill_tree(p)
         for x in proxies.values():
             x.close()
 
 
 def test_groups_on_agents_serve_transformers_greedy(cluster, checkpoint: Path) -> None:  # type: ignore[no-untyped-def]
     s, agents, *_ = cluster
-    view = _nodes(s)
+    view = nodes_view(s)
     assert view["placement"] == "remote"
     placed = {n["id"]: [(r["group"], r["device"]) for r in n["ranks"]] for n in view["nodes"]}
     # one group on node a (both its slots), the other spanning b and c
@@ -140,21 +97,9 @@ def test_groups_on_agents_serve_transformers_greedy(cluster, checkpoint: Path) -
     hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     seen = set()
     for i in range(N):  # equal groups take turns: both answer (X-Safeserve-Group says which)
-        r = httpx.post(
-            s.url + "/v1/completions",
-            json={
-                "model": str(checkpoint),
-                "prompt": _prompt(i),
-                "max_tokens": TOKENS,
-                "temperature": 0.0,
-                "ignore_eos": True,
-                "return_token_ids": True,
-            },
-            timeout=120,
-        )
-        assert r.status_code == 200, r.text
-        seen.add(int(r.headers["x-safeserve-group"]))
-        assert r.json()["choices"][0]["token_ids"] == _greedy(hf, _prompt(i)), i
+        group, ids = completion_ids(s, str(checkpoint), prompt(i), TOKENS)
+        seen.add(group)
+        assert ids == _greedy(hf, prompt(i)), i
     assert seen == {0, 1}
 
 
@@ -166,7 +111,7 @@ async def _streams(url: str, model: str, started_after: int, fault) -> list[dict
     async def one(i: int, c: httpx.AsyncClient) -> None:
         body = {
             "model": model,
-            "prompt": _prompt(i),
+            "prompt": prompt(i),
             "max_tokens": TOKENS,
             "temperature": 0.0,
             "ignore_eos": True,
@@ -198,14 +143,16 @@ async def _streams(url: str, model: str, started_after: int, fault) -> list[dict
 def test_node_loss_costs_its_group_only_and_no_request(cluster, checkpoint: Path) -> None:  # type: ignore[no-untyped-def]
     s, agents, key_dir, node_port, d, proxies = cluster
     hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    ref = [_greedy(hf, _prompt(i)) for i in range(N)]
+    ref = [_greedy(hf, prompt(i)) for i in range(N)]
     victim = "b"  # holds a rank of the spanning group
-    spanning = next(r["group"] for n in _nodes(s)["nodes"] if n["id"] == victim for r in n["ranks"])
+    spanning = next(
+        r["group"] for n in nodes_view(s)["nodes"] if n["id"] == victim for r in n["ranks"]
+    )
     killed_at: list[float] = []
 
     def fault() -> None:
         killed_at.append(time.time())
-        _kill_tree(agents[victim])
+        kill_tree(agents[victim])
 
     results = asyncio.run(_streams(s.url, str(checkpoint), N, fault))
     for i, r in enumerate(results):
@@ -215,7 +162,7 @@ def test_node_loss_costs_its_group_only_and_no_request(cluster, checkpoint: Path
     assert metric(s, "safeserve:request_migrations_total") >= 1
     assert metric(s, "safeserve:requests_suspect_cleared_total") == 0
     assert metric(s, "safeserve:requests_suspect") == 0
-    node = next(n for n in _nodes(s)["nodes"] if n["id"] == victim)
+    node = next(n for n in nodes_view(s)["nodes"] if n["id"] == victim)
     assert node["state"] == "LOST", node
     (g,) = [g for g in admin_groups(s) if g["id"] == spanning]
     assert g["failures"] >= 1
@@ -236,15 +183,15 @@ def test_node_loss_costs_its_group_only_and_no_request(cluster, checkpoint: Path
     while next(x for x in admin_groups(s) if x["id"] == spanning)["state"] != "READY":
         assert time.monotonic() - back < 60, admin_groups(s)
         time.sleep(0.2)
-    assert next(n for n in _nodes(s)["nodes"] if n["id"] == victim)["state"] == "READY"
+    assert next(n for n in nodes_view(s)["nodes"] if n["id"] == victim)["state"] == "READY"
 
 
 def test_node_loss_is_detected_within_2_s(cluster) -> None:  # type: ignore[no-untyped-def]
     s, agents, key_dir, node_port, d, proxies = cluster
     victim = "c"
-    _kill_tree(agents[victim])
+    kill_tree(agents[victim])
     killed = time.monotonic()
-    while next(n for n in _nodes(s)["nodes"] if n["id"] == victim)["state"] != "LOST":
+    while next(n for n in nodes_view(s)["nodes"] if n["id"] == victim)["state"] != "LOST":
         assert time.monotonic() - killed < 2.0
         time.sleep(0.05)
     agents[victim] = _agent(victim, proxies[victim].port, key_dir, d / f"node-{victim}-3.log")
@@ -256,7 +203,7 @@ def test_node_loss_is_detected_within_2_s(cluster) -> None:  # type: ignore[no-u
 
 def _placement(s) -> dict[str, set[int]]:  # type: ignore[no-untyped-def]
     """node -> the groups it runs ranks of."""
-    return {n["id"]: {r["group"] for r in n["ranks"]} for n in _nodes(s)["nodes"]}
+    return {n["id"]: {r["group"] for r in n["ranks"]} for n in nodes_view(s)["nodes"]}
 
 
 def _rank_pids(s, group: int) -> list[int]:  # type: ignore[no-untyped-def]
@@ -279,7 +226,7 @@ def _wait_ready(s, within: float) -> None:  # type: ignore[no-untyped-def]
     while not all(g["state"] == "READY" for g in admin_groups(s)):
         assert time.monotonic() < deadline, admin_groups(s)
         time.sleep(0.2)
-    assert all(n["state"] == "READY" for n in _nodes(s)["nodes"]), _nodes(s)
+    assert all(n["state"] == "READY" for n in nodes_view(s)["nodes"]), nodes_view(s)
 
 
 def test_partition_costs_one_group_and_its_ranks_stop_by_the_lease(
@@ -288,7 +235,7 @@ def test_partition_costs_one_group_and_its_ranks_stop_by_the_lease(
     s, agents, key_dir, node_port, d, proxies = cluster
     _wait_ready(s, 60)
     hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    ref = [_greedy(hf, _prompt(i)) for i in range(N)]
+    ref = [_greedy(hf, prompt(i)) for i in range(N)]
     victim = "b"
     (group,) = _placement(s)[victim]
     pids = _rank_pids(s, group)
@@ -302,8 +249,8 @@ def test_partition_costs_one_group_and_its_ranks_stop_by_the_lease(
     for i, r in enumerate(results):
         assert not r["errors"], r["errors"]
         assert r["ids"] == ref[i], i  # none lost or repeated: a cut-off group returns nothing
-    lease = _nodes(s)["lease_s"]
-    node = next(n for n in _nodes(s)["nodes"] if n["id"] == victim)
+    lease = nodes_view(s)["lease_s"]
+    node = next(n for n in nodes_view(s)["nodes"] if n["id"] == victim)
     assert node["state"] == "LOST" and "lease" in node["lost_reason"], node
     # the cut-off group's ranks are gone by the lease deadline: the agent stops its own, the
     # frontend's fence stops those on the other node
@@ -320,7 +267,7 @@ def test_frozen_node_costs_one_group_and_its_ranks_stop_when_it_thaws(
     s, agents, key_dir, node_port, d, proxies = cluster
     _wait_ready(s, 60)
     hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    ref = [_greedy(hf, _prompt(i)) for i in range(N)]
+    ref = [_greedy(hf, prompt(i)) for i in range(N)]
     victim = "a"
     (group,) = _placement(s)[victim]
     pids = _rank_pids(s, group)
@@ -339,7 +286,7 @@ def test_frozen_node_costs_one_group_and_its_ranks_stop_when_it_thaws(
         for i, r in enumerate(results):
             assert not r["errors"], r["errors"]
             assert r["ids"] == ref[i], i
-        node = next(n for n in _nodes(s)["nodes"] if n["id"] == victim)
+        node = next(n for n in nodes_view(s)["nodes"] if n["id"] == victim)
         assert node["state"] == "LOST", node
     finally:
         thawed = time.monotonic()
@@ -358,7 +305,7 @@ def test_a_client_without_the_keys_registers_nothing(cluster, tmp_path: Path) ->
     keys.generate(other)
     stranger = keys.load(other, keys.NODE)
     front = keys.load(key_dir, keys.FRONTEND)
-    before = sum(_nodes(s)["refused"].values())
+    before = sum(nodes_view(s)["refused"].values())
     ctx = zmq.Context()
     try:
         socks = []
@@ -377,10 +324,10 @@ def test_a_client_without_the_keys_registers_nothing(cluster, tmp_path: Path) ->
                 codec.Writer().frames(m.NodeHello("evil", "x", "127.0.0.9", [0], 1))
             )
         deadline = time.monotonic() + 10
-        while sum(_nodes(s)["refused"].values()) < before + 2:
-            assert time.monotonic() < deadline, _nodes(s)
+        while sum(nodes_view(s)["refused"].values()) < before + 2:
+            assert time.monotonic() < deadline, nodes_view(s)
             time.sleep(0.1)
-        assert "evil" not in {n["id"] for n in _nodes(s)["nodes"]}
+        assert "evil" not in {n["id"] for n in nodes_view(s)["nodes"]}
         for sock in socks:
             sock.close(linger=0)
     finally:

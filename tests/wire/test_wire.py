@@ -31,6 +31,7 @@ SAMPLES = [
     m.GroupFatal(0, 1, "boom"),
     m.Heartbeat(0, 1, 42, 3, "idle", 1.0, 0.5, m.RankStats(balancedness={10: 0.9})),
     m.NodeHello("n1", "a1", "127.0.0.2", [0, 1], 99),
+    m.NodeHello("n2", "a2", "10.0.0.12", [0], 7, "10.0.0.11:29500", 1, 2, "10.0.0.11:29500"),
     m.NodeBeat("n1", 1.0, [(0, 1)]),
     m.NodeLease(5.0, 12.5),
     m.SpawnRanks(0, 1, [0, 1], [-1, -1], None, {"tp_size": 2, "model": "tiny"}),
