@@ -230,7 +230,8 @@ def run_plan(ns: argparse.Namespace) -> int:
         fp8 = (["weights"] if ns.quantization == "fp8" else []) + (
             ["KV cache"] if ns.kv_cache_dtype != "auto" else []
         )
-        print(text(result, gpu, work, ns.model, ns.gpus_per_node * ns.nodes, fp8))
+        gpus = ns.gpus_per_node * ns.nodes
+        print(text(result, gpu, work, ns.model, gpus, fp8, ns.gpus_per_node))
     if ns.write_policy and result.recommended is not None:
         _write(ns, result, facts, gpu, work, dtype)
     if result.recommended is None or not result.target_met:

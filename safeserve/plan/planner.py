@@ -102,6 +102,7 @@ class Point:
     floor_ms: float | None  # read_bytes at the GPU's read ceiling
     tpot_ms: float | None  # predicted
     meets_target: bool | None = None
+    a2a_step_bytes: float = 0.0  # what one rank sends in a step: dispatch and combine, every layer
 
 
 @dataclass
@@ -328,7 +329,21 @@ def predict(
         met = None
         if work.tpot_target_ms is not None and tpot is not None:
             met = fits and tpot <= work.tpot_target_ms
-        points.append(Point(conc, per_group, fits, experts, read, sent, comm, floor, tpot, met))
+        points.append(
+            Point(
+                conc,
+                per_group,
+                fits,
+                experts,
+                read,
+                sent,
+                comm,
+                floor,
+                tpot,
+                met,
+                a2a_step_bytes=2 * moe_layers * sent,
+            )
+        )
     return points
 
 

@@ -28,7 +28,13 @@ def columns(rows: list[list[str]], right: set[int] | None = None) -> list[str]:
 
 
 def text(
-    p: Plan, gpu: Gpu, work: Workload, model: str, gpus: int, fp8: list[str] | None = None
+    p: Plan,
+    gpu: Gpu,
+    work: Workload,
+    model: str,
+    gpus: int,
+    fp8: list[str] | None = None,
+    gpus_per_node: int = 8,
 ) -> str:
     lines = [
         f"safeserve plan: {model} on {gpus} x {gpu.description}, "
@@ -89,6 +95,7 @@ def text(
                 "experts/layer",
                 "reads/step",
                 "floor ms",
+                "a2a MB",
                 "a2a ms",
                 "TPOT ms",
                 "blast radius",
@@ -103,18 +110,24 @@ def text(
                     f"{pt.experts_per_layer:.1f}",
                     f"{pt.read_bytes / 1e9:.2f} GB",
                     _ms(pt.floor_ms),
+                    f"{pt.a2a_step_bytes / 1e6:.1f}",
                     _ms(pt.comm_ms),
                     _ms(pt.tpot_ms),
                     f"{reqs} req, {share:.0%}",
                 ]
             )
-        lines += columns(rows, right=set(range(8)))
-        w = rec.candidate.group_gpus
-        if w > 1:
-            lines.append(
-                f"dispatch and combine: {rec.in_node_share:.0%} of a token's destinations "
-                f"stay inside its node at EP{w}"
-            )
+        lines += columns(rows, right=set(range(9)))
+        lines.append(
+            "a2a MB: what one rank sends in a step's dispatch and combine over every MoE layer"
+        )
+    shares = {lp.candidate.group_gpus: lp.in_node_share for lp in p.layouts}
+    if any(w > 1 for w in shares):
+        lines.append(
+            f"share of a token's dispatch and combine destinations inside its node "
+            f"({gpus_per_node} GPUs): "
+            + ", ".join(f"EP{w} {s:.0%}" for w, s in sorted(shares.items()) if w > 1)
+        )
+    if rec is not None:
         pre = rec.sizing.prefill
         if pre is not None:
             lines.append(

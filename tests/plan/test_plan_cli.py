@@ -32,6 +32,23 @@ def test_the_table_names_every_layout_and_recommends_one() -> None:
     assert "[plan]" in r.stderr  # progress goes to stderr, the plan to stdout
 
 
+def test_the_documented_example_prints_what_the_docs_show() -> None:
+    """docs/plan.md's worked example, run: its output is the block the page shows."""
+    import re
+    import shlex
+
+    page = (ROOT / "docs" / "plan.md").read_text()
+    example = page[page.index("## Example") :]
+    (lang, command), (_, shown) = re.findall(r"```(\w*)\n(.*?)```", example, re.S)[:2]
+    assert lang == "sh"
+    command = command.replace("\\\n", " ")
+    argv = shlex.split(command)
+    assert argv[:2] == ["safeserve", "plan"]
+    r = plan(*argv[2:])
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == shown
+
+
 def test_json_for_scripts() -> None:
     r = plan("--model", QWEN3 + "/config.json", "--gpu", "H200", "--nodes", "2", "-o", "json")
     assert r.returncode == 0, r.stderr
@@ -40,6 +57,30 @@ def test_json_for_scripts() -> None:
     assert ep16["in_node_share"] == 0.5
     assert {p["concurrency"] for p in ep16["points"]} == {1, 8, 16, 32, 64, 128, 256}
     assert doc["recommended"] and doc["target_met"] is True
+
+
+def test_step_traffic_and_the_share_inside_a_node() -> None:
+    """Mixtral-8x7B (8 experts, top-2, 32 MoE layers, hidden 4096) on two GPUs, one sequence per
+    attention rank: a token misses the other rank's 4 experts with p = 4/8 x 3/7 = 3/14, so it
+    sends 1 - 3/14 = 11/14 rows of 4096 bf16 there, in each layer's dispatch and combine."""
+    args = ["--model", "kernels/configs/mixtral-8x7b", "--gpu", "h200", "--gpus-per-node", "2"]
+    r = plan(*args, "--concurrency", "2", "-o", "json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    ep2 = next(lp for lp in doc["layouts"] if lp["name"] == "1x EP2 DP-attn")
+    (point,) = ep2["points"]
+    assert point["a2a_bytes"] == pytest.approx(11 / 14 * 4096 * 2)
+    assert point["a2a_step_bytes"] == pytest.approx(2 * 32 * 11 / 14 * 4096 * 2)  # 0.41 MB
+    ep1 = next(lp for lp in doc["layouts"] if lp["name"] == "2x EP1")
+    assert ep1["points"][0]["a2a_step_bytes"] == 0.0
+    # two nodes of 8 GPUs, and four: the rows that stay on NVLink at each EP width
+    r = plan("--model", QWEN3, "--gpu", "h200", "--nodes", "4", "--concurrency", "1,64")
+    assert r.returncode == 0, r.stderr
+    assert (
+        "share of a token's dispatch and combine destinations inside its node (8 GPUs): "
+        "EP2 100%, EP4 100%, EP8 100%, EP16 50%, EP32 25%"
+    ) in r.stdout
+    assert "a2a MB" in r.stdout
 
 
 def test_an_unmet_target_says_the_best_and_exits_1() -> None:
@@ -62,12 +103,25 @@ def test_unsupported_family(tmp_path: Path) -> None:
     assert "'llama' is not supported" in one_error_line(r)
 
 
-def test_distribution_of_another_model(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "shape,message",
+    [
+        ((24, 128), "num_layers is 24, the model has 48"),  # the 24-layer Qwen3 shape
+        ((48, 64), "num_logical_experts is 64, the model has 128"),
+        ((32, 8), "num_layers is 32, the model has 48"),  # Mixtral-8x7B's
+    ],
+)
+def test_distribution_of_another_model(
+    tmp_path: Path, shape: tuple[int, int], message: str
+) -> None:
     path = tmp_path / "dist.json"
-    write_expert_distribution(path, torch.ones(24, 128, dtype=torch.int64))
+    write_expert_distribution(path, torch.ones(*shape, dtype=torch.int64))
     r = plan("--model", QWEN3, "--gpu", "h200", "--expert-distribution", str(path))
     assert r.returncode == 2
-    assert "num_layers is 24, the model has 48" in one_error_line(r)
+    assert r.stdout == ""
+    line = one_error_line(r)
+    assert line.startswith(f"safeserve plan: error: --expert-distribution: {path}: ")
+    assert message in line
 
 
 def test_a_skewed_distribution_reads_fewer_experts(tmp_path: Path) -> None:
@@ -115,19 +169,25 @@ def test_bad_numbers(args: list[str], message: str) -> None:
 
 
 def test_every_preset_in_guards_is_what_plan_writes_today(tmp_path: Path) -> None:
-    """The shipped presets are reproducible: their header's command writes the same values."""
-    import tomllib
-
+    """The shipped presets are reproducible: their header's command writes the same file, byte
+    for byte; and every model of kernels/configs has one for one H200 and one for 8xH200."""
     presets = sorted((ROOT / "guards").glob("*.toml"))
-    assert presets, "guards/ ships presets"
+    models = sorted(p.parent.name for p in (ROOT / "kernels" / "configs").glob("*/config.json"))
+    assert models, "kernels/configs holds model configs"
+    want = {f"{m}-{n}xh200.toml" for m in models for n in (1, 8)}
+    assert {p.name for p in presets} == want
     for preset in presets:
         header = preset.read_text().splitlines()[0]
         assert header.startswith("# Written by: safeserve plan "), preset
         argv = header.removeprefix("# Written by: safeserve plan ").split()
+        gpus = int(argv[argv.index("--gpus-per-node") + 1]) * int(argv[argv.index("--nodes") + 1])
+        model = argv[argv.index("--model") + 1]
+        assert preset.name == f"{Path(model).name}-{gpus}xh200.toml"
+        assert argv[argv.index("--gpu") + 1] == "h200"
         out = tmp_path / preset.name
         r = plan(*argv, "--write-policy", str(out))
         assert r.returncode == 0, r.stderr
-        assert tomllib.loads(out.read_text()) == tomllib.loads(preset.read_text()), preset
+        assert out.read_bytes() == preset.read_bytes(), preset
 
 
 DEEPSEEK_V3 = {  # DeepSeek-V3's published config.json, the fields the family reads
