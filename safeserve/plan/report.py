@@ -60,7 +60,7 @@ def text(
     else:
         lines.append("CPU ranks: sizes only, no speed prediction")
     lines.append("")
-    head = ["layout", "weights/GPU", "KV tokens/rank", "budget rows", "fits conc"]
+    head = ["layout", "weights/GPU", "KV tokens/rank", "budget rows", "buffers", "fits conc"]
     head += [f"TPOT@{c}" for c in work.concurrency]
     rows = [head]
     for lp in p.layouts:
@@ -70,6 +70,7 @@ def text(
             f"{s.weights_bytes / GIB:.1f} GiB",
             f"{s.kv_tokens:,}" if s.kv_blocks is not None else "none",
             "-" if s.dispatch_budget is None else f"{s.dispatch_budget:,}",
+            "-" if s.dispatch_budget is None else f"{s.dispatch_buffer_bytes / 2**20:,.0f} MiB",
             f"{s.max_concurrency:,}",
         ]
         for pt in lp.points:
@@ -80,8 +81,9 @@ def text(
         rows.append(row)
     lines += columns(rows, right=set(range(1, len(head))))
     lines.append(
-        "(* recommended; ! the KV cache does not hold that concurrency; no fit: the weights "
-        "leave no KV cache; TPOT in ms)"
+        "(* recommended; budget rows: what a rank receives per dispatch round, buffers: their "
+        "preallocated memory; ! the KV cache does not hold that concurrency; no fit: the "
+        "weights leave no KV cache; TPOT in ms)"
     )
     for why in p.skipped:
         lines.append(f"left out: {why}")
