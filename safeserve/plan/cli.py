@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -201,6 +202,9 @@ def run_plan(ns: argparse.Namespace) -> int:
         )
         if work.input_len < 1 or work.output_len < 1:
             raise PlanError("--input-len and --output-len must be at least 1")
+        target = work.tpot_target_ms
+        if target is not None and not (0 < target < math.inf):
+            raise PlanError(f"--tpot-target-ms must be a positive number of ms, got {target:g}")
         if gpu.is_cpu and work.tpot_target_ms is not None:
             raise PlanError("--tpot-target-ms needs a GPU's speed data; --gpu cpu has none")
         args = sizing_args(ns, dtype)

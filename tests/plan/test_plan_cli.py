@@ -160,6 +160,9 @@ def test_a_skewed_distribution_reads_fewer_experts(tmp_path: Path) -> None:
         (["--input-len", "0"], "--input-len and --output-len must be at least 1"),
         (["--nodes", "0"], "--gpus-per-node and --nodes must be at least 1"),
         (["--mem-fraction-static", "1.5"], "mem-fraction-static"),
+        (["--tpot-target-ms", "0"], "--tpot-target-ms must be a positive number of ms, got 0"),
+        (["--tpot-target-ms", "-1"], "--tpot-target-ms must be a positive number of ms, got -1"),
+        (["--tpot-target-ms", "nan"], "--tpot-target-ms must be a positive number of ms, got nan"),
     ],
 )
 def test_bad_numbers(args: list[str], message: str) -> None:
