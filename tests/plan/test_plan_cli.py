@@ -83,6 +83,59 @@ def test_step_traffic_and_the_share_inside_a_node() -> None:
     assert "a2a MB" in r.stdout
 
 
+def plan_doc(*args: str) -> dict:
+    r = plan("--model", QWEN3, "--gpu", "h200", *args, "-o", "json")
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_blast_radius_per_layout() -> None:
+    """One failed GPU takes its group down: ceil(concurrency / groups) requests, 1/groups of
+    the capacity."""
+    doc = plan_doc("--concurrency", "1,64,255")
+    want = {"8x EP1": 8, "4x EP2 TP-attn": 4, "2x EP4 DP-attn": 2, "1x EP8 DP-attn": 1}
+    for lp in doc["layouts"]:
+        if lp["name"] not in want:
+            continue
+        groups = want.pop(lp["name"])
+        assert lp["num_groups"] == groups
+        got = {
+            p["concurrency"]: (p["blast_radius_requests"], p["blast_radius_share"])
+            for p in lp["points"]
+        }
+        assert got == {c: (-(-c // groups), 1 / groups) for c in (1, 64, 255)}
+    assert not want
+    ep1 = next(lp for lp in doc["layouts"] if lp["name"] == "8x EP1")
+    assert [p["blast_radius_requests"] for p in ep1["points"]] == [1, 8, 32]
+
+
+def test_the_recommendation_and_its_reasons() -> None:
+    """The smallest group width that holds the largest concurrency and meets the target there,
+    the faster attention mode of that width; else the best possible."""
+    # no target: 8 groups of one GPU hold 256 (8 x 1,043 requests of 40 blocks)
+    doc = plan_doc("--concurrency", "1,256")
+    assert doc["recommended"] == "8x EP1" and doc["target_met"]
+    assert doc["reasons"] == [
+        "smallest group that holds 256 requests of 512+128 tokens: 1 GPU (weights 56.9 GiB per "
+        "GPU, KV cache 668,080 tokens per attention rank)",
+        "8 groups: one failed GPU interrupts 32 requests (they move to the other groups) and "
+        "12% of capacity",
+    ]
+    # 10,000 requests: one GPU's groups hold 8,344; two GPUs' hold 12,152 (TP) and 12,032 (DP)
+    doc = plan_doc("--concurrency", "1,10000")
+    by_name = {lp["name"]: lp for lp in doc["layouts"]}
+    assert by_name["8x EP1"]["sizing"]["max_concurrency"] == 8344 < 10000
+    assert doc["recommended"].startswith("4x EP2")
+    assert doc["reasons"][0].startswith("smallest group that holds 10000 requests")
+    # a target EP1 misses at 256 (14.92 ms) and EP2 meets: the faster of its two modes
+    doc = plan_doc("--concurrency", "1,256", "--tpot-target-ms", "10")
+    by_name = {lp["name"]: lp for lp in doc["layouts"]}
+    tpot = {n: lp["points"][-1]["tpot_ms"] for n, lp in by_name.items()}
+    assert tpot["8x EP1"] > 10 and tpot["4x EP2 TP-attn"] < tpot["4x EP2 DP-attn"] <= 10
+    assert doc["recommended"] == "4x EP2 TP-attn" and doc["target_met"]
+    assert doc["reasons"][1] == f"predicted TPOT {tpot['4x EP2 TP-attn']:.2f} ms <= target 10 ms"
+
+
 def test_an_unmet_target_says_the_best_and_exits_1() -> None:
     r = plan("--model", QWEN3, "--gpu", "h200", "--concurrency", "64", "--tpot-target-ms", "0.5")
     assert r.returncode == 1
