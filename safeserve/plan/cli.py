@@ -296,6 +296,12 @@ def _write(
     header = [
         f"Written by: safeserve plan {' '.join(plan_argv(ns))}",
         f"Layout: safeserve serve --model {ns.model} --dtype {dtype} {rec.candidate.flags()}",
+        f"Planned for: {gpu.description}"
+        + (
+            ""
+            if gpu.calibration is None
+            else f"; {'calibration: ' if gpu.calibrated else ''}{gpu.calibration.source}"
+        ),
         f"Per rank: weights {rec.sizing.weights_bytes / 2**30:.2f} GiB, "
         f"KV cache {rec.sizing.kv_tokens:,} tokens, dispatch budget {rec.sizing.dispatch_budget} rows",
         *result.reasons,
