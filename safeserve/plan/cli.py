@@ -238,6 +238,8 @@ def run_plan(ns: argparse.Namespace) -> int:
         print(text(result, gpu, work, ns.model, gpus, fp8, ns.gpus_per_node))
     if ns.write_policy and result.recommended is not None:
         _write(ns, result, facts, gpu, work, dtype)
+    elif ns.write_policy:
+        print(f"[plan] {ns.write_policy} not written: no layout to recommend", file=sys.stderr)
     if result.recommended is None or not result.target_met:
         return 1
     return 0

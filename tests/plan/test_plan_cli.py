@@ -271,6 +271,11 @@ def test_deepseek_v3_needs_fp8_on_eight_h200(tmp_path: Path) -> None:
     assert r.returncode == 1
     assert "no layout to recommend" in r.stdout
     assert "the weights do not fit" in r.stdout and "--quantization fp8" in r.stdout
+    preset = tmp_path / "none.toml"
+    r = plan("--model", str(cfg), "--gpu", "h200", "--write-policy", str(preset))
+    assert r.returncode == 1
+    assert f"[plan] {preset} not written: no layout to recommend" in r.stderr
+    assert not preset.exists()
     r = plan("--model", str(cfg), "--gpu", "h200", "--concurrency", "1,64", "--quantization", "fp8")
     assert r.returncode == 0, r.stderr
     assert "recommended: safeserve serve --tp-size 8 --ep-size 8" in r.stdout
