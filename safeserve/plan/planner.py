@@ -354,6 +354,7 @@ class Plan:
     recommended: LayoutPlan | None
     reasons: list[str]
     target_met: bool
+    serve_flags: str | None = None  # the recommended layout's serve flags (None: none)
 
 
 def plan(
@@ -377,7 +378,17 @@ def plan(
         lp.points = predict(facts, cand, gpu, work, rb, sizing, gpus_per_node, probs)
         layouts.append(lp)
     rec, reasons, met = recommend(layouts, work)
-    return Plan(layouts, skipped, rec, reasons, met)
+    flags = None
+    if rec is not None:
+        flags = rec.candidate.flags()
+        per_group = max(pt.per_group for pt in rec.points)
+        if per_group > args.max_running_requests:  # else a group would queue the rest
+            flags += f" --max-running-requests {per_group}"
+            reasons.append(
+                f"{per_group} requests per group: above --max-running-requests "
+                f"{args.max_running_requests}, so the command raises it (a preset sets it too)"
+            )
+    return Plan(layouts, skipped, rec, reasons, met, flags)
 
 
 def recommend(

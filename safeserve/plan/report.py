@@ -141,7 +141,7 @@ def text(
         lines.append("no layout to recommend:")
     else:
         verdict = "recommended" if p.target_met else "best possible"
-        lines.append(f"{verdict}: safeserve serve {rec.candidate.flags()}")
+        lines.append(f"{verdict}: safeserve serve {p.serve_flags}")
     lines += [f"  - {r}" for r in p.reasons]
     return "\n".join(lines)
 
@@ -173,6 +173,7 @@ def to_json(p: Plan, gpu: Gpu, work: Workload, model: str) -> dict[str, Any]:
         "layouts": [layout(lp) for lp in p.layouts],
         "skipped": p.skipped,
         "recommended": None if p.recommended is None else p.recommended.candidate.name,
+        "recommended_flags": p.serve_flags,
         "target_met": p.target_met,
         "reasons": p.reasons,
     }

@@ -136,6 +136,28 @@ def test_the_recommendation_and_its_reasons() -> None:
     assert doc["reasons"][1] == f"predicted TPOT {tpot['4x EP2 TP-attn']:.2f} ms <= target 10 ms"
 
 
+def test_the_recommended_command_runs_the_planned_requests_at_once() -> None:
+    """A group planned for more requests than --max-running-requests (64 by default) would queue
+    the rest: the recommended command raises it; not where the flag already allows them."""
+    doc = plan_doc("--concurrency", "1,256", "--tpot-target-ms", "6")
+    assert doc["recommended"] == "1x EP8 DP-attn"
+    assert doc["recommended_flags"] == (
+        "--tp-size 8 --ep-size 8 --moe-a2a-backend alltoall --enable-dp-attention "
+        "--max-running-requests 256"
+    )
+    assert doc["reasons"][-1] == (
+        "256 requests per group: above --max-running-requests 64, so the command raises it "
+        "(a preset sets it too)"
+    )
+    doc = plan_doc(
+        "--concurrency", "1,256", "--tpot-target-ms", "6", "--max-running-requests", "256"
+    )
+    assert doc["recommended_flags"].endswith("--enable-dp-attention")
+    assert not any("--max-running-requests" in r for r in doc["reasons"])
+    doc = plan_doc("--concurrency", "1,256")  # 8 groups of 32
+    assert doc["recommended_flags"] == "--tp-size 1 --ep-size 1 --num-groups 8"
+
+
 def test_an_unmet_target_says_the_best_and_exits_1() -> None:
     r = plan("--model", QWEN3, "--gpu", "h200", "--concurrency", "64", "--tpot-target-ms", "0.5")
     assert r.returncode == 1
