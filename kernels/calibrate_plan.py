@@ -1,14 +1,19 @@
 """Calibrate `safeserve plan` for a GPU from `safeserve bench` runs, and check its predictions.
 
-    python kernels/calibrate_plan.py --gpu h200 --fit BENCH.json [--log BENCH.log] \
+    python kernels/calibrate_plan.py --gpu h200 --fit BENCH.json [--log SERVE.log] \
         [--check OTHER.json ...] [--write] [--json OUT.json]
+
+Run it in the repository root (the runs name their models by paths relative to it).
 
 `--fit`: a bench run on one GPU at several batch sizes (1, 2, 4, ..., 64). The fit: a decode
 step's time = its reads / (efficiency x the run's read ceiling) + layers x layer_us, least squares
 on the relative error over the run's points. `runtime_bytes` (device memory a rank uses beyond its
-weights before the KV cache is sized) comes from the run's KV-sizing log line (`--log`, the
-bench's stderr: "free F of T bytes") and the weights the run reports.
-`--write` puts the result into `safeserve/plan/gpus.toml` as `[<gpu>.calibration]`.
+weights before the KV cache is sized) comes from a KV-sizing log line of the same model on the
+same GPU ("free F of T bytes") and the weights the bench run reports. Give a `safeserve serve`
+log (`--log`): a bench process does other work first and sizes a few dozen blocks differently,
+and the plan predicts what serve allocates.
+`--write` puts the result into `safeserve/plan/gpus.toml` as `[<gpu>.calibration]` (for a GPU
+planned from another's, in place of its `calibrated_from`).
 `--check`: for each run (the fitted one too), the planner's predictions with the same flags
 against the measurement: TPOT, KV blocks, experts per layer (uniform routing).
 """
@@ -54,8 +59,12 @@ def fit(run: dict, log: str | None, name: str) -> Calibration:
     return Calibration(round(ceiling, 1), round(eff, 4), round(layer_us, 2), runtime, source)
 
 
-def write_calibration(gpu: str, cal: Calibration, memory_bytes: int | None) -> None:
-    text = GPUS_TOML.read_text()
+def write_calibration(
+    gpu: str, cal: Calibration, memory_bytes: int | None, path: Path = GPUS_TOML
+) -> None:
+    """Puts `cal` into `path` as `[<gpu>.calibration]`: replacing the GPU's calibration, or, for
+    a GPU planned from another's (`calibrated_from`), adding one in place of that line."""
+    text = path.read_text()
     block = (
         f"[{gpu}.calibration]\n"
         f"read_ceiling_gbs = {cal.read_ceiling_gbs}\n"
@@ -65,15 +74,24 @@ def write_calibration(gpu: str, cal: Calibration, memory_bytes: int | None) -> N
         f"source = {json.dumps(cal.source)}\n"
     )
     pattern = re.compile(rf"\[{re.escape(gpu)}\.calibration\]\n(?:[^\[\n][^\n]*\n)*")
-    if not pattern.search(text):
-        raise SystemExit(f"{GPUS_TOML}: no [{gpu}.calibration] table to replace")
-    text = pattern.sub(block, text, count=1)
+    borrowed = re.compile(
+        rf"(\[{re.escape(gpu)}\]\n(?:[^\[\n][^\n]*\n)*?)calibrated_from = [^\n]*\n"
+    )
+    if pattern.search(text):
+        text = pattern.sub(lambda m: block, text, count=1)
+    elif borrowed.search(text):
+        text = borrowed.sub(lambda m: m.group(1) + "\n" + block, text, count=1)
+    else:
+        raise SystemExit(
+            f"{path}: no [{gpu}] table (with a calibration or calibrated_from) to write into; "
+            "add the GPU's table first"
+        )
     if memory_bytes:
         section = re.compile(
             rf"(\[{re.escape(gpu)}\]\n(?:[^\[\n][^\n]*\n)*?)memory_bytes = \d[\d_]*"
         )
         text = section.sub(rf"\g<1>memory_bytes = {memory_bytes}", text, count=1)
-    GPUS_TOML.write_text(text)
+    path.write_text(text)
 
 
 def check(run: dict, gpu_name: str, cal: Calibration | None) -> dict:
@@ -134,7 +152,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--gpu", required=True)
     ap.add_argument("--fit", default=None, help="bench JSON to fit the calibration from")
-    ap.add_argument("--log", default=None, help="that run's log (its KV-sizing line)")
+    ap.add_argument(
+        "--log",
+        default=None,
+        help="a log with the KV-sizing line of a rank loading that model on that GPU: a "
+        "`safeserve serve` log, so that the plan sizes what serve allocates (a bench's sizes "
+        "a few blocks differently)",
+    )
     ap.add_argument("--check", nargs="*", default=[], help="bench JSON files to predict")
     ap.add_argument("--write", action="store_true", help="write the fit into gpus.toml")
     ap.add_argument("--json", default=None, help="write the fit and the checks here")

@@ -102,6 +102,60 @@ def test_bench_refuses_what_would_fail_late(tmp_path: Path, capsys) -> None:  # 
     assert json.loads(out.read_text())["points"][0]["concurrency"] == 1
 
 
+def test_bench_writes_the_routing_the_planner_reads(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """`--expert-distribution-out`: the timed decode steps' choices per MoE layer and expert, a
+    file `safeserve plan --expert-distribution` reads."""
+    from safeserve.moe.eplb.distribution import read_expert_distribution
+
+    cfg = load_model_config("tiny")
+    dist = tmp_path / "routing.json"
+    args = ["--concurrency", "1,3", "--input-len", "8", "--output-len", "4"]
+    assert main(["bench", *args, "--expert-distribution-out", str(dist)]) == 0
+    counts = read_expert_distribution(dist)
+    moe = sum(1 for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i))
+    assert tuple(counts.shape) == (moe, cfg.num_experts)
+    # 3 decode steps (output 4, the first token from prefill) of 1 then 3 sequences, top-k each
+    assert counts.sum(dim=1).tolist() == [(1 + 3) * 3 * cfg.num_experts_per_tok] * moe
+    capsys.readouterr()
+    r = subprocess.run(
+        [sys.executable, "-m", "safeserve.cli", "plan", "--model", "tiny", "--gpu", "cpu"]
+        + ["--gpus-per-node", "1", "--concurrency", "1", "--expert-distribution", str(dist)]
+        + ["-o", "json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    # one token reads its k experts, whatever the distribution
+    point = json.loads(r.stdout)["layouts"][0]["points"][0]
+    assert point["experts_per_layer"] == pytest.approx(cfg.num_experts_per_tok, rel=0.2)
+    assert main(["bench", *args, "--expert-distribution-out", str(tmp_path)]) == 2
+    assert "--expert-distribution-out" in capsys.readouterr().err
+
+
+def test_routing_counts_map_physical_slots_to_logical_experts() -> None:
+    """With redundant slots, the counts are per logical expert: a slot's choices go to the
+    expert it holds."""
+    from types import SimpleNamespace
+
+    from safeserve.bench.floor import RoutingProbe
+    from safeserve.moe.expert_map import ExpertMap
+
+    m = ExpertMap.from_phy2log([[0, 1, 2, 0], [2, 1, 0, 1]], num_logical=3, ep_size=1)
+    probe = RoutingProbe.__new__(RoutingProbe)
+    probe.runner = SimpleNamespace(expert_map=m)
+    probe.num_experts = 4
+    probe.num_layers = 2
+    probe.eager = {
+        0: torch.tensor([[0, 3], [1, 2], [9, 9]]),  # the third row is padding, not counted
+        1: torch.tensor([[0, 3], [1, -1], [9, 9]]),  # -1: no expert
+    }
+    counts = probe.logical_counts(2, None)
+    # layer 0: slots 0, 3 hold expert 0; 1 -> 1; 2 -> 2.  layer 1: 0 -> 2; 3 -> 1; 1 -> 1
+    assert counts.tolist() == [[2, 1, 1], [0, 2, 1]]
+    assert probe.experts_read(2, None) == [4, 3]
+
+
 def _bench_serve():  # type: ignore[no-untyped-def]
     spec = importlib.util.spec_from_file_location(
         "bench_serve", Path(__file__).parents[1] / "kernels" / "bench_serve.py"

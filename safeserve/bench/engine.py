@@ -77,6 +77,7 @@ def _run_point(
     step_times: list[float] = []
     step_bytes: list[int] = []
     expert_counts: list[float] = []
+    routing: torch.Tensor | None = None  # [L, E] choices per logical expert over the steps
     graphs = runner.cuda_graphs
     replays_before = graphs.replays if graphs is not None else 0
     for j in range(1, output_len):
@@ -94,6 +95,8 @@ def _run_point(
         if probe is not None and sizes is not None:
             experts = probe.experts_read(batch, bucket)
             expert_counts.append(sum(experts) / max(1, len(experts)))
+            counts = probe.logical_counts(batch, bucket)
+            routing = counts if routing is None else routing + counts
             kv = sizes.kv_token * batch * (pos + 1)
             step_bytes.append(
                 sizes.dense + batch * sizes.embed_row + sum(experts) * sizes.expert + kv
@@ -108,6 +111,7 @@ def _run_point(
         "step_times_s": step_times,
         "step_bytes": step_bytes,
         "experts_per_layer": expert_counts,
+        "routing": routing,
         "steps": step - step_base,
         "outputs": outputs,
         "graph_replays": (graphs.replays - replays_before) if graphs is not None else 0,
@@ -144,7 +148,11 @@ def _summarize(raw: dict, output_len: int, ceiling: float) -> dict:
     return point
 
 
-def run_engine(args: ServerArgs, opts: BenchOptions, ceiling: float) -> tuple[dict, Any]:
+def run_engine(
+    args: ServerArgs, opts: BenchOptions, ceiling: float
+) -> tuple[dict, Any, torch.Tensor | None]:
+    """The measured points and model facts, the runner, and the decode steps' routing: choices
+    per MoE layer and logical expert, over every point (None without MoE layers)."""
     from safeserve.engine.model_runner import ModelRunner
 
     progress(f"loading {args.model} ({args.load_format}, {args.dtype}) on {args.device}")
@@ -169,6 +177,7 @@ def run_engine(args: ServerArgs, opts: BenchOptions, ceiling: float) -> tuple[di
         step += raw["steps"]
     progress("warm-up done")
     points = []
+    routing: torch.Tensor | None = None
     for batch in opts.concurrency:
         label = f"concurrency {batch}"
         progress(f"{label}: prefill {batch} x {opts.input_len} tokens")
@@ -182,6 +191,8 @@ def run_engine(args: ServerArgs, opts: BenchOptions, ceiling: float) -> tuple[di
             report=lambda m, label=label: progress(f"{label}: {m}"),
         )
         step += raw["steps"]
+        if raw["routing"] is not None:
+            routing = raw["routing"] if routing is None else routing + raw["routing"]
         point = _summarize(raw, opts.output_len, ceiling)
         points.append(point)
         progress(
@@ -205,4 +216,4 @@ def run_engine(args: ServerArgs, opts: BenchOptions, ceiling: float) -> tuple[di
         ),
         "max_model_len": runner.max_model_len,
     }
-    return {"points": points, "model_bytes": info}, runner
+    return {"points": points, "model_bytes": info}, runner, routing

@@ -83,6 +83,30 @@ class RoutingProbe:
     def experts_read(self, batch: int, graph_bucket: int | None) -> list[int]:
         """Distinct physical experts (slots: the weights a step reads) of each MoE layer among
         the real `batch` rows of the last step."""
+        ids = self._step_ids(batch, graph_bucket)
+        flat = ids.reshape(self.num_layers, -1)
+        seen = torch.zeros(self.num_layers, self.num_experts + 1, dtype=torch.bool)
+        # -1 (no expert) lands in the extra last column, which is not counted.
+        seen.scatter_(1, flat.where(flat >= 0, self.num_experts), True)
+        return seen[:, : self.num_experts].sum(dim=1).tolist()
+
+    def logical_counts(self, batch: int, graph_bucket: int | None) -> torch.Tensor:
+        """Per MoE layer and logical expert, the choices of the real `batch` rows of the last
+        step (int64 `[L, E]`): an expert distribution's counts (`moe/eplb/distribution.py`)."""
+        ids = self._step_ids(batch, graph_bucket).reshape(self.num_layers, -1)
+        m = getattr(self.runner, "expert_map", None)
+        if m is not None:  # physical slots to the logical experts they hold
+            phy2log = torch.tensor(m.phy2log, dtype=torch.int64)
+            ids = torch.where(ids >= 0, phy2log.gather(1, ids.clamp(min=0)), -1)
+            logical = m.num_logical
+        else:
+            logical = self.num_experts
+        counts = torch.zeros(self.num_layers, logical + 1, dtype=torch.int64)
+        counts.scatter_add_(1, ids.where(ids >= 0, logical), torch.ones_like(ids))
+        return counts[:, :logical]
+
+    def _step_ids(self, batch: int, graph_bucket: int | None) -> torch.Tensor:
+        """The routers' expert ids `[L, batch, k]` (on the CPU) of the last step's real rows."""
         from safeserve.engine.cuda_graph import smallest_bucket
 
         piecewise = getattr(self.runner, "piecewise", None)
@@ -95,12 +119,7 @@ class RoutingProbe:
             src = self.captured[kind][bucket]
         else:
             src = self.eager
-        ids = torch.stack([src[i][:batch] for i in range(self.num_layers)])  # [L, B, k]
-        flat = ids.reshape(self.num_layers, -1)
-        seen = torch.zeros(self.num_layers, self.num_experts + 1, dtype=torch.bool)
-        # -1 (no expert) lands in the extra last column, which is not counted.
-        seen.scatter_(1, flat.cpu().where(flat.cpu() >= 0, self.num_experts), True)
-        return seen[:, : self.num_experts].sum(dim=1).tolist()
+        return torch.stack([src[i][:batch] for i in range(self.num_layers)]).cpu().long()
 
     def remove(self) -> None:
         for h in self.handles:

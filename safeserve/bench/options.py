@@ -42,6 +42,14 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
         help="Size of the HBM read-ceiling test tensor (default: 4 on CUDA, 0.25 on CPU).",
     )
     g.add_argument("--json", default=None, help="Write every number to this file.")
+    g.add_argument(
+        "--expert-distribution-out",
+        default=None,
+        metavar="FILE",
+        help="Write the routing of the timed decode steps (choices per MoE layer and expert) as "
+        "an expert distribution file, which `safeserve plan --expert-distribution` and "
+        "`--init-expert-location` read.",
+    )
 
 
 @dataclasses.dataclass
@@ -54,6 +62,7 @@ class BenchOptions:
     peer_output_len: int | None = None
     ceiling_gib: float | None = None
     json_path: str | None = None
+    distribution_path: str | None = None
 
     @staticmethod
     def from_namespace(ns: argparse.Namespace) -> BenchOptions:
@@ -72,6 +81,7 @@ class BenchOptions:
             peer_output_len=ns.peer_output_len,
             ceiling_gib=ns.ceiling_gib,
             json_path=ns.json,
+            distribution_path=ns.expert_distribution_out,
         )
         if opts.input_len < 1 or opts.output_len < 2:
             raise ValueError("--input-len must be >= 1 and --output-len >= 2")

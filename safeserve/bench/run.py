@@ -57,8 +57,16 @@ def run_bench(args: ServerArgs, opts: BenchOptions) -> dict:
         "output_len": opts.output_len,
         "read_ceiling_gbs": ceiling / 1e9,
     }
-    ours, runner = run_engine(args, opts, ceiling)
+    ours, runner, routing = run_engine(args, opts, ceiling)
     result.update(ours)
+    if opts.distribution_path:
+        if routing is None:
+            raise ValueError("--expert-distribution-out: the model has no routed experts")
+        from safeserve.moe.eplb.distribution import write_expert_distribution
+
+        write_expert_distribution(opts.distribution_path, routing)
+        result["expert_distribution"] = opts.distribution_path
+        progress(f"wrote the decode steps' routing to {opts.distribution_path}")
     prompts = make_prompts(
         max(opts.concurrency), opts.input_len, runner.config.vocab_size, args.seed
     )
@@ -117,6 +125,7 @@ def main(ns: argparse.Namespace) -> int:
 
     from safeserve.config import ConfigError
     from safeserve.config_cli import check_output_file, server_args_from
+    from safeserve.model.checkpoint import load_model_config
 
     logging.basicConfig(
         level=ns.log_level.upper(), format="%(asctime)s [bench] %(levelname)s %(name)s: %(message)s"
@@ -128,6 +137,9 @@ def main(ns: argparse.Namespace) -> int:
         check_device(args)
         check_context(args, opts)
         check_output_file(opts.json_path, "--json")
+        check_output_file(opts.distribution_path, "--expert-distribution-out")
+        if opts.distribution_path and not load_model_config(args.model).num_experts:
+            raise ValueError("--expert-distribution-out: the model has no routed experts")
     except (ConfigError, ValueError) as e:
         print(f"safeserve bench: error: {e}", file=sys.stderr)
         return 2

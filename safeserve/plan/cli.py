@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -201,6 +202,9 @@ def run_plan(ns: argparse.Namespace) -> int:
         )
         if work.input_len < 1 or work.output_len < 1:
             raise PlanError("--input-len and --output-len must be at least 1")
+        target = work.tpot_target_ms
+        if target is not None and not (0 < target < math.inf):
+            raise PlanError(f"--tpot-target-ms must be a positive number of ms, got {target:g}")
         if gpu.is_cpu and work.tpot_target_ms is not None:
             raise PlanError("--tpot-target-ms needs a GPU's speed data; --gpu cpu has none")
         args = sizing_args(ns, dtype)
@@ -230,9 +234,12 @@ def run_plan(ns: argparse.Namespace) -> int:
         fp8 = (["weights"] if ns.quantization == "fp8" else []) + (
             ["KV cache"] if ns.kv_cache_dtype != "auto" else []
         )
-        print(text(result, gpu, work, ns.model, ns.gpus_per_node * ns.nodes, fp8))
+        gpus = ns.gpus_per_node * ns.nodes
+        print(text(result, gpu, work, ns.model, gpus, fp8, ns.gpus_per_node))
     if ns.write_policy and result.recommended is not None:
         _write(ns, result, facts, gpu, work, dtype)
+    elif ns.write_policy:
+        print(f"[plan] {ns.write_policy} not written: no layout to recommend", file=sys.stderr)
     if result.recommended is None or not result.target_met:
         return 1
     return 0
@@ -291,6 +298,12 @@ def _write(
     header = [
         f"Written by: safeserve plan {' '.join(plan_argv(ns))}",
         f"Layout: safeserve serve --model {ns.model} --dtype {dtype} {rec.candidate.flags()}",
+        f"Planned for: {gpu.description}"
+        + (
+            ""
+            if gpu.calibration is None
+            else f"; {'calibration: ' if gpu.calibrated else ''}{gpu.calibration.source}"
+        ),
         f"Per rank: weights {rec.sizing.weights_bytes / 2**30:.2f} GiB, "
         f"KV cache {rec.sizing.kv_tokens:,} tokens, dispatch budget {rec.sizing.dispatch_budget} rows",
         *result.reasons,

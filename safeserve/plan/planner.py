@@ -102,6 +102,7 @@ class Point:
     floor_ms: float | None  # read_bytes at the GPU's read ceiling
     tpot_ms: float | None  # predicted
     meets_target: bool | None = None
+    a2a_step_bytes: float = 0.0  # what one rank sends in a step: dispatch and combine, every layer
 
 
 @dataclass
@@ -328,7 +329,21 @@ def predict(
         met = None
         if work.tpot_target_ms is not None and tpot is not None:
             met = fits and tpot <= work.tpot_target_ms
-        points.append(Point(conc, per_group, fits, experts, read, sent, comm, floor, tpot, met))
+        points.append(
+            Point(
+                conc,
+                per_group,
+                fits,
+                experts,
+                read,
+                sent,
+                comm,
+                floor,
+                tpot,
+                met,
+                a2a_step_bytes=2 * moe_layers * sent,
+            )
+        )
     return points
 
 
@@ -339,6 +354,7 @@ class Plan:
     recommended: LayoutPlan | None
     reasons: list[str]
     target_met: bool
+    serve_flags: str | None = None  # the recommended layout's serve flags (None: none)
 
 
 def plan(
@@ -362,7 +378,17 @@ def plan(
         lp.points = predict(facts, cand, gpu, work, rb, sizing, gpus_per_node, probs)
         layouts.append(lp)
     rec, reasons, met = recommend(layouts, work)
-    return Plan(layouts, skipped, rec, reasons, met)
+    flags = None
+    if rec is not None:
+        flags = rec.candidate.flags()
+        per_group = max(pt.per_group for pt in rec.points)
+        if per_group > args.max_running_requests:  # else a group would queue the rest
+            flags += f" --max-running-requests {per_group}"
+            reasons.append(
+                f"{per_group} requests per group: above --max-running-requests "
+                f"{args.max_running_requests}, so the command raises it (a preset sets it too)"
+            )
+    return Plan(layouts, skipped, rec, reasons, met, flags)
 
 
 def recommend(

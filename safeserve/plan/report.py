@@ -28,7 +28,13 @@ def columns(rows: list[list[str]], right: set[int] | None = None) -> list[str]:
 
 
 def text(
-    p: Plan, gpu: Gpu, work: Workload, model: str, gpus: int, fp8: list[str] | None = None
+    p: Plan,
+    gpu: Gpu,
+    work: Workload,
+    model: str,
+    gpus: int,
+    fp8: list[str] | None = None,
+    gpus_per_node: int = 8,
 ) -> str:
     lines = [
         f"safeserve plan: {model} on {gpus} x {gpu.description}, "
@@ -54,7 +60,7 @@ def text(
     else:
         lines.append("CPU ranks: sizes only, no speed prediction")
     lines.append("")
-    head = ["layout", "weights/GPU", "KV tokens/rank", "budget rows", "fits conc"]
+    head = ["layout", "weights/GPU", "KV tokens/rank", "budget rows", "buffers", "fits conc"]
     head += [f"TPOT@{c}" for c in work.concurrency]
     rows = [head]
     for lp in p.layouts:
@@ -64,6 +70,7 @@ def text(
             f"{s.weights_bytes / GIB:.1f} GiB",
             f"{s.kv_tokens:,}" if s.kv_blocks is not None else "none",
             "-" if s.dispatch_budget is None else f"{s.dispatch_budget:,}",
+            "-" if s.dispatch_budget is None else f"{s.dispatch_buffer_bytes / 2**20:,.0f} MiB",
             f"{s.max_concurrency:,}",
         ]
         for pt in lp.points:
@@ -74,8 +81,9 @@ def text(
         rows.append(row)
     lines += columns(rows, right=set(range(1, len(head))))
     lines.append(
-        "(* recommended; ! the KV cache does not hold that concurrency; no fit: the weights "
-        "leave no KV cache; TPOT in ms)"
+        "(* recommended; budget rows: what a rank receives per dispatch round, buffers: their "
+        "preallocated memory; ! the KV cache does not hold that concurrency; no fit: the "
+        "weights leave no KV cache; TPOT in ms)"
     )
     for why in p.skipped:
         lines.append(f"left out: {why}")
@@ -89,6 +97,7 @@ def text(
                 "experts/layer",
                 "reads/step",
                 "floor ms",
+                "a2a MB",
                 "a2a ms",
                 "TPOT ms",
                 "blast radius",
@@ -103,18 +112,24 @@ def text(
                     f"{pt.experts_per_layer:.1f}",
                     f"{pt.read_bytes / 1e9:.2f} GB",
                     _ms(pt.floor_ms),
+                    f"{pt.a2a_step_bytes / 1e6:.1f}",
                     _ms(pt.comm_ms),
                     _ms(pt.tpot_ms),
                     f"{reqs} req, {share:.0%}",
                 ]
             )
-        lines += columns(rows, right=set(range(8)))
-        w = rec.candidate.group_gpus
-        if w > 1:
-            lines.append(
-                f"dispatch and combine: {rec.in_node_share:.0%} of a token's destinations "
-                f"stay inside its node at EP{w}"
-            )
+        lines += columns(rows, right=set(range(9)))
+        lines.append(
+            "a2a MB: what one rank sends in a step's dispatch and combine over every MoE layer"
+        )
+    shares = {lp.candidate.group_gpus: lp.in_node_share for lp in p.layouts}
+    if any(w > 1 for w in shares):
+        lines.append(
+            f"share of a token's dispatch and combine destinations inside its node "
+            f"({gpus_per_node} GPUs): "
+            + ", ".join(f"EP{w} {s:.0%}" for w, s in sorted(shares.items()) if w > 1)
+        )
+    if rec is not None:
         pre = rec.sizing.prefill
         if pre is not None:
             lines.append(
@@ -126,7 +141,7 @@ def text(
         lines.append("no layout to recommend:")
     else:
         verdict = "recommended" if p.target_met else "best possible"
-        lines.append(f"{verdict}: safeserve serve {rec.candidate.flags()}")
+        lines.append(f"{verdict}: safeserve serve {p.serve_flags}")
     lines += [f"  - {r}" for r in p.reasons]
     return "\n".join(lines)
 
@@ -158,6 +173,7 @@ def to_json(p: Plan, gpu: Gpu, work: Workload, model: str) -> dict[str, Any]:
         "layouts": [layout(lp) for lp in p.layouts],
         "skipped": p.skipped,
         "recommended": None if p.recommended is None else p.recommended.candidate.name,
+        "recommended_flags": p.serve_flags,
         "target_met": p.target_met,
         "reasons": p.reasons,
     }

@@ -5,6 +5,7 @@ and the preset it writes (`--write-policy`) serves with the same values."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -93,5 +94,13 @@ def test_the_written_policy_serves_with_the_same_values(server_factory, tmp_path
     for group in config["guards"].values():
         assert group["dispatch_budget_tokens"] == values["dispatch_budget_tokens"]
         assert group["prefill"]["chunk"] == values["chunked_prefill_size"]
-    header = preset.read_text().splitlines()[0]
-    assert header.startswith("# Written by: safeserve plan --model tiny --gpu cpu")
+    header = preset.read_text().splitlines()
+    assert header[0].startswith("# Written by: safeserve plan --model tiny --gpu cpu")
+    # the header's sizes (sized again at the preset's --max-running-requests) are the server's
+    (line,) = [h for h in header if h.startswith("# Per rank: ")]
+    m = re.search(r"KV cache ([\d,]+) tokens, dispatch budget (\d+) rows", line)
+    assert m is not None, line
+    tokens, budget = int(m.group(1).replace(",", "")), int(m.group(2))
+    assert budget == values["dispatch_budget_tokens"]
+    groups = config["args"]["num_groups"]
+    assert kv_blocks_of(s) == [tokens // config["args"]["block_size"]] * groups
