@@ -8,7 +8,10 @@ Reports (JSON lines, and a summary on the last line):
   not change what the model computes), as the largest absolute difference and greedy agreement;
 - the longest single EPLB step (the stall a chunked rebalance adds between two model steps);
 - the decode step time with EPLB's counting on (no rebalance due) vs off (the same runner,
-  graphs recaptured without the counting).
+  graphs recaptured without the counting, then with it again: on / off / on, every timed step
+  the same decode step at one position, so the three differ only by the counting);
+- every EPLB step's stall (`stalls_ms`), and what re-installing the placement alone costs
+  (`map_update_ms`: the routers' tables and the dispatcher's view, no weights moved).
 
     python kernels/eplb_gpu_check.py --model kernels/configs/qwen3-30b-a3b-24-layers
 """
@@ -32,6 +35,7 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--layers-per-chunk", type=int, default=1)
+    p.add_argument("--timed-steps", type=int, default=30, help="per side of the on/off/on timing")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run (no graphs)")
     ns = p.parse_args()
 
@@ -87,14 +91,10 @@ def main() -> None:
         assert out is not None
         return out.float().clone()
 
-    # decode some steps as graphs; time them (EPLB counting on)
-    on_times = []
+    # decode some steps as graphs (EPLB counting on)
     for k in range(1, ns.steps // 2):
         step += 1
-        sync()
-        t = time.perf_counter()
         last = runner.execute(decode_plan(last, pos, k))
-        on_times.append(time.perf_counter() - t)
         pos += 1
     replays_before = runner.cuda_graphs.replays if runner.cuda_graphs else None
     step += 1
@@ -119,6 +119,14 @@ def main() -> None:
         )
         stalls.append(report.eplb.seconds)
     assert runner.expert_map.phy2log == tuple(rows)
+    # the placement's bookkeeping alone: install the same map again
+    from safeserve.engine.rank_eplb import set_expert_map
+
+    sync()
+    t = time.perf_counter()
+    set_expert_map(runner, runner.eplb.layers, runner.expert_map)
+    sync()
+    map_update_ms = (time.perf_counter() - t) * 1e3
 
     after_graph = logits_of(probe)  # graphs, new placement (same position: same KV written)
     graphs, piecewise = runner.cuda_graphs, runner.piecewise
@@ -142,25 +150,40 @@ def main() -> None:
             "chunks": len(stalls),
             "longest_stall_ms": max(stalls) * 1e3,
             "median_stall_ms": statistics.median(stalls) * 1e3,
+            "stalls_ms": [round(x * 1e3, 2) for x in stalls],
+            "map_update_ms": map_update_ms,
         }
     )
 
-    # EPLB counting off: detach the recorder, recapture the graphs, time the same decode
+    # the step with the counting on, off (recorder detached, graphs recaptured), on again
     pos += 1
-    for layer in runner.eplb.layers:
+    timed = decode_plan(last, pos, ns.steps // 2 + 1)
+
+    def time_steps() -> list[float]:
+        nonlocal step
+        times = []
+        for _ in range(ns.timed_steps):
+            step += 1
+            sync()
+            t = time.perf_counter()
+            runner.execute(timed)  # the same step each time: same position, same KV written
+            times.append(time.perf_counter() - t)
+        return times[2:]
+
+    eplb = runner.eplb
+    on_times = time_steps()
+    for layer in eplb.layers:
         layer.recorder = None
     runner.eplb = None
     runner.capture_cuda_graphs()
-    off_times = []
-    for k in range(ns.steps // 2 + 1, ns.steps):
-        step += 1
-        sync()
-        t = time.perf_counter()
-        last = runner.execute(decode_plan(last, pos, k))
-        off_times.append(time.perf_counter() - t)
-        pos += 1
-    on_ms = statistics.median(on_times[2:]) * 1e3
-    off_ms = statistics.median(off_times[2:]) * 1e3
+    off_times = time_steps()
+    for layer in eplb.layers:
+        layer.recorder = eplb.recorder
+    runner.eplb = eplb
+    runner.capture_cuda_graphs()
+    on_times += time_steps()
+    on_ms = statistics.median(on_times) * 1e3
+    off_ms = statistics.median(off_times) * 1e3
     log(
         {
             "phase": "summary",
