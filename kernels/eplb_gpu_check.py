@@ -36,6 +36,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--layers-per-chunk", type=int, default=1)
     p.add_argument("--timed-steps", type=int, default=30, help="per side of the on/off/on timing")
+    p.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="per EPLB step: time in the weight moves, the placement's install and the count "
+        "fold, the allocator's device mallocs, frees and retries, and garbage collections",
+    )
     p.add_argument("--device", default="cuda", help="cpu: a smoke run (no graphs)")
     ns = p.parse_args()
 
@@ -111,13 +117,27 @@ def main() -> None:
         rng.shuffle(row)
         rows.append(tuple(row))
     stalls = []
+    parts = _Breakdown() if ns.breakdown else None
     for k in range(0, m.num_layers, ns.layers_per_chunk):
         layers = tuple(range(k, min(m.num_layers, k + ns.layers_per_chunk)))
         step += 1
+        if parts is not None:
+            parts.begin()
         report = runner.execute_step(
             StepPlan(step, [[]], eplb=EplbMove(layers, tuple(rows[i] for i in layers)))
         )
         stalls.append(report.eplb.seconds)
+        if parts is not None:
+            log(
+                {
+                    "phase": "chunk",
+                    "layers": list(layers),
+                    "stall_ms": report.eplb.seconds * 1e3,
+                    **parts.end(),
+                }
+            )
+    if parts is not None:
+        parts.remove()
     assert runner.expert_map.phy2log == tuple(rows)
     # the placement's bookkeeping alone: install the same map again
     from safeserve.engine.rank_eplb import set_expert_map
@@ -200,6 +220,66 @@ def main() -> None:
             "device": torch.cuda.get_device_name() if ns.device == "cuda" else "cpu",
         }
     )
+
+
+class _Breakdown:
+    """Wraps the move's parts with timers (each ends in a device sync) and watches the caching
+    allocator and the garbage collector, per EPLB step."""
+
+    def __init__(self) -> None:
+        import gc
+
+        import safeserve.engine.rank_eplb as rank_eplb
+
+        self.mod, self.gc = rank_eplb, gc
+        self.saved = {n: getattr(rank_eplb, n) for n in ("move_layer", "set_expert_map")}
+        self.fold = rank_eplb.RankEplb._fold
+        self.times: dict[str, float] = {}
+        for name, fn in self.saved.items():
+            setattr(rank_eplb, name, self._timed(name, fn))
+        rank_eplb.RankEplb._fold = self._timed("fold", self.fold)
+        self.gc_ms = 0.0
+        self._gc_start = 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _timed(self, name: str, fn):  # type: ignore[no-untyped-def]
+        def run(*a, **kw):  # type: ignore[no-untyped-def]
+            sync()
+            t = time.perf_counter()
+            out = fn(*a, **kw)
+            sync()
+            self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t
+            return out
+
+        return run
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        else:
+            self.gc_ms += (time.perf_counter() - self._gc_start) * 1e3
+
+    def _alloc(self) -> dict[str, int]:
+        if not torch.cuda.is_available():
+            return {}
+        st = torch.cuda.memory_stats()
+        keys = ("num_device_alloc", "num_device_free", "num_alloc_retries")
+        return {k: st.get(k, 0) for k in keys}
+
+    def begin(self) -> None:
+        self.times, self.gc_ms, self.a0 = {}, 0.0, self._alloc()
+
+    def end(self) -> dict:
+        a1 = self._alloc()
+        out = {f"{k}_ms": round(v * 1e3, 2) for k, v in self.times.items()}
+        out.update({k: a1[k] - self.a0.get(k, 0) for k in a1}, gc_ms=round(self.gc_ms, 2))
+        return out
+
+    def remove(self) -> None:
+        for name, fn in self.saved.items():
+            setattr(self.mod, name, fn)
+        self.mod.RankEplb._fold = self.fold
+        self.gc.callbacks.remove(self._on_gc)
 
 
 def sync() -> None:

@@ -9,11 +9,7 @@ source "$(dirname "$0")/device_env.sh"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
 date -u +%F | tee -a "$OUT/gpu.txt"
 bench() {  # name, config dir, concurrency, extra flags
-  timeout "${BENCH_TIMEOUT:-200}" python3 -m safeserve.cli bench --model "kernels/configs/$2" \
-    --load-format dummy --device cuda --dtype bfloat16 --concurrency "$3" \
-    --input-len 512 --output-len 64 --json "$OUT/bench_$1.json" "${@:4}" \
-    >"$OUT/bench_$1.log" 2>&1
-  echo "== $1 rc=$?"
+  bench_dummy "$@"
   grep -E "KV cache from device memory|step .* floor|read ceiling" "$OUT/bench_$1.log" | cut -c1-220
 }
 bench qwen3 qwen3-30b-a3b 1,2,4,8,16,32,64

@@ -14,6 +14,7 @@ tensors that captured graphs read), one chunk of layers per EPLB step.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -60,6 +61,11 @@ class RankEplb:
         self._logical.zero_()
         self._passes = 0
         self.recorder.enabled = True
+        # the fold's first run loads its kernels (about 20 ms on an H200): not in a move's stall
+        m = self.runner.expert_map
+        assert m is not None
+        index = m.phy2log_tensor().to(self.runner.device)
+        physical_to_logical_counts(self.recorder.dump(), index, m.num_logical).cpu()
 
     def end_step(self) -> None:
         self.recorder.end_pass()
@@ -110,7 +116,7 @@ class RankEplb:
             sent += move_layer(expert_weights(self.layers[layer]), transfers, rank, runner.comm)
             rows[layer] = list(row)
         new = ExpertMap.from_phy2log(rows, old.num_logical, old.ep_size, old.seed)
-        set_expert_map(runner, self.layers, new)
+        set_expert_map(runner, self.layers, new, changed=op.layers)
         return sent
 
 
@@ -121,10 +127,16 @@ def expert_weights(layer: MoELayer) -> list[torch.Tensor]:
     return [p.data for p in layer.experts.parameters() if p.dim() > 0 and p.shape[0] == slots]
 
 
-def set_expert_map(runner: ModelRunner, layers: list[MoELayer], expert_map: ExpertMap) -> None:
-    """Makes `expert_map` the rank's placement: the routers' maps (in place), the dispatcher's
-    and the layers' view of it, the runner's. The weights must already be where it says."""
-    write_expert_map(layers, expert_map, routing_source(runner.layout))
+def set_expert_map(
+    runner: ModelRunner,
+    layers: list[MoELayer],
+    expert_map: ExpertMap,
+    changed: Sequence[int] | None = None,
+) -> None:
+    """Makes `expert_map` the rank's placement: the routers' maps (in place; of the `changed`
+    MoE layers only where given), the dispatcher's and the layers' view of it, the runner's.
+    The weights must already be where it says."""
+    write_expert_map(layers, expert_map, routing_source(runner.layout), changed)
     placement = ExpertPlacement.of(expert_map, runner.layout.ep_rank)
     if runner.dispatcher is not None:
         runner.dispatcher.placement = placement

@@ -22,6 +22,7 @@ expert-distribution records are.
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
@@ -43,7 +44,8 @@ class ExpertMap:
     seed: int = 0
     # derived in __post_init__: per layer, per logical expert, its slots ascending
     _log2phy: tuple[tuple[tuple[int, ...], ...], ...] = field(init=False, repr=False, compare=False)
-    _send: dict[int, tuple[tuple[tuple[int, ...], ...], ...]] = field(
+    # candidate rows by (rank, or -1 for every rank alike; layer), computed on first use
+    _send: dict[tuple[int, int], tuple[tuple[int, ...], ...]] = field(
         init=False, repr=False, compare=False, hash=False
     )
 
@@ -192,33 +194,37 @@ class ExpertMap:
 
     def candidate_rows(self, rank: int | None) -> tuple[tuple[tuple[int, ...], ...], ...]:
         """`candidates` of every (layer, logical expert) for `rank`: `[L][E]` slot tuples."""
+        return tuple(self.candidate_row(layer, rank) for layer in range(self.num_layers))
+
+    def candidate_row(self, layer: int, rank: int | None) -> tuple[tuple[int, ...], ...]:
+        """`candidates` of every logical expert of one MoE layer for `rank`: `[E]` slot tuples
+        (computed once per map, layer and rank)."""
         if rank is not None:
             self._check_rank(rank)
-        key = -1 if rank is None else rank
+        key = (-1 if rank is None else rank, layer)
         if key not in self._send:
-            self._send[key] = self._candidate_rows(rank)
+            self._send[key] = self._candidate_row(layer, rank)
         return self._send[key]
 
-    def _candidate_rows(self, rank: int | None) -> tuple[tuple[tuple[int, ...], ...], ...]:
-        rng = random.Random(self.seed)  # one offset per (layer, expert), in that order
-        out = []
-        for layer in range(self.num_layers):
-            row = []
-            for logical in range(self.num_logical):
-                reps = self._log2phy[layer][logical]
-                offset = rng.randrange(len(reps))
-                own = tuple(p for p in reps if rank is not None and self.rank_of(p) == rank)
-                if own:
-                    row.append(own)
-                    continue
-                turn = 0
-                if rank is not None:  # this rank's turn among the ranks holding none
-                    holders = {self.rank_of(p) for p in reps}
-                    turn = sum(1 for r in range(rank) if r not in holders)
-                start = (offset + turn) % len(reps)
-                row.append(reps[start:] + reps[:start])
-            out.append(tuple(row))
-        return tuple(out)
+    def _candidate_row(self, layer: int, rank: int | None) -> tuple[tuple[int, ...], ...]:
+        # one offset per expert, from a generator of the layer's own: a layer's rows depend on
+        # its placement alone, so a move rewrites only the routers of the layers it moved
+        rng = random.Random(self.seed * 1_000_003 + layer)
+        row = []
+        for logical in range(self.num_logical):
+            reps = self._log2phy[layer][logical]
+            offset = rng.randrange(len(reps))
+            own = tuple(p for p in reps if rank is not None and self.rank_of(p) == rank)
+            if own:
+                row.append(own)
+                continue
+            turn = 0
+            if rank is not None:  # this rank's turn among the ranks holding none
+                holders = {self.rank_of(p) for p in reps}
+                turn = sum(1 for r in range(rank) if r not in holders)
+            start = (offset + turn) % len(reps)
+            row.append(reps[start:] + reps[:start])
+        return tuple(row)
 
     # -- tensors (torch imported here) -------------------------------------------------------------
 
@@ -249,18 +255,23 @@ class ExpertMap:
         return torch.tensor(counts, dtype=torch.int64).view(self.num_layers, self.num_logical)
 
     def candidate_table(
-        self, rank: int | None, device: torch.device | str = "cpu"
+        self,
+        rank: int | None,
+        device: torch.device | str = "cpu",
+        layers: Sequence[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`candidates` of `rank` as tensors on `device`: `[L, E, max_replicas]` int64 slots
         (each row's candidates repeated to the width) and `[L, E]` int64 their counts; the n-th
-        pair of a batch choosing e takes `slots[layer, e, n % counts[layer, e]]`."""
+        pair of a batch choosing e takes `slots[layer, e, n % counts[layer, e]]`. `layers`: only
+        these MoE layers, in that order (L = len(layers))."""
         import torch
 
-        rows = self.candidate_rows(rank)
+        which = range(self.num_layers) if layers is None else layers
+        rows = [self.candidate_row(i, rank) for i in which]
         width = self.max_replicas
         slots = [[[c[i % len(c)] for i in range(width)] for c in row] for row in rows]
         counts = [[len(c) for c in row] for row in rows]
-        shape = (self.num_layers, self.num_logical)
+        shape = (len(rows), self.num_logical)
         return (
             torch.tensor(slots, dtype=torch.int64, device=device).view(*shape, width),
             torch.tensor(counts, dtype=torch.int64, device=device).view(*shape),

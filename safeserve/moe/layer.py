@@ -117,29 +117,39 @@ class MoELayer(torch.nn.Module):
         )
 
 
-def write_expert_map(layers: Sequence[MoELayer], expert_map: ExpertMap, source: int | None) -> None:
+def write_expert_map(
+    layers: Sequence[MoELayer],
+    expert_map: ExpertMap,
+    source: int | None,
+    only: Sequence[int] | None = None,
+) -> None:
     """Each MoE layer's router map from `expert_map`: the send table of `source` (this rank's EP
     rank where it routes its own tokens, None where every rank routes the same ones:
     `routing_source`); with redundant experts the candidates that tokens spread over (of
     `source`, or with None of every rank, one per share of the tokens),
     `layers` in MoE-layer order, one per row of the map; copied in place into the routers'
-    buffers."""
+    buffers. `only`: the MoE layers whose placement changed (a layer's router rows depend on
+    its own placement alone); the others are left as they are."""
     if len(layers) != expert_map.num_layers:
         raise ValueError(
             f"expert map of {expert_map.num_layers} MoE layers for a model of {len(layers)}"
         )
-    if not layers:
+    which = list(range(len(layers))) if only is None else list(only)
+    if not which:
         return
     if expert_map.num_redundant == 0:  # one replica per expert: a plain [E] row per layer
-        for layer, row in zip(layers, expert_map.send_table(source), strict=True):
-            layer.gate.set_expert_map(row.to(layer.gate.logical_to_physical.device))
+        table = expert_map.send_table(source)
+        for i in which:
+            gate = layers[i].gate
+            gate.set_expert_map(table[i].to(gate.logical_to_physical.device))
         return
     # Replicas split an expert's tokens: each source spreads them over its candidates. Where
     # every rank routes the same tokens, each contiguous share of them spreads as its rank would.
     sources = [source] if source is not None else list(range(expert_map.ep_size))
-    tables = [expert_map.candidate_table(s) for s in sources]
-    slots = torch.stack([t[0] for t in tables], dim=1)  # [L, S, E, M]
-    counts = torch.stack([t[1] for t in tables], dim=1)  # [L, S, E]
-    for layer, rows, cnt in zip(layers, slots, counts, strict=True):
-        device = layer.gate.logical_to_physical.device
-        layer.gate.set_expert_map(rows.to(device), cnt.to(device))
+    tables = [expert_map.candidate_table(s, layers=which) for s in sources]
+    slots = torch.stack([t[0] for t in tables], dim=1)  # [len(which), S, E, M]
+    counts = torch.stack([t[1] for t in tables], dim=1)  # [len(which), S, E]
+    for i, rows, cnt in zip(which, slots, counts, strict=True):
+        gate = layers[i].gate
+        device = gate.logical_to_physical.device
+        gate.set_expert_map(rows.to(device), cnt.to(device))

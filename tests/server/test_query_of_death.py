@@ -163,18 +163,27 @@ async def _until(cond, timeout: float = 5.0) -> None:  # type: ignore[no-untyped
         await asyncio.sleep(0.01)
 
 
+_PARAMS = SamplingParams(max_tokens=4, temperature=0.0)
+
+
+async def _in_flight_on_group_0(gen, g0, g1, firsts: dict[str, int]) -> list:  # type: ignore[no-untyped-def]
+    """Requests `firsts` (id -> its first token) started on group 0 (group 1 down meanwhile),
+    each with its first token out, group 1 up again; their drain tasks, in order."""
+    g1.up = False
+    reqs = [gen.start(rid, [10 + 10 * i, 11 + 10 * i], _PARAMS, []) for i, rid in enumerate(firsts)]
+    assert all(r.supervisor is g0 for r in reqs)
+    g1.up = True
+    tasks = [asyncio.create_task(_drain(r)) for r in reqs]
+    for rid, first in firsts.items():
+        g0.client.out(rid, [first])
+    await asyncio.sleep(0.05)
+    return tasks
+
+
 def test_a_lost_node_makes_no_suspects_and_its_requests_move_on_together() -> None:
     async def run() -> None:
         gen, (g0, g1) = _generator()
-        params = SamplingParams(max_tokens=4, temperature=0.0)
-        g1.up = False  # both start on group 0
-        a = gen.start("a", [10, 11], params, [])
-        b = gen.start("b", [20, 21], params, [])
-        g1.up = True
-        ta, tb = asyncio.create_task(_drain(a)), asyncio.create_task(_drain(b))
-        g0.client.out("a", [5])
-        g0.client.out("b", [6])
-        await asyncio.sleep(0.05)
+        ta, tb = await _in_flight_on_group_0(gen, g0, g1, {"a": 5, "b": 6})
         g0.fail(gen.router, node_lost=True)  # its node agent was lost: the host, not a request
         # both continue on group 1 at once (a suspect would wait for a group free of others)
         await _until(lambda: len(g1.client.queues) == 2)
@@ -193,13 +202,7 @@ def test_a_lost_node_makes_no_suspects_and_its_requests_move_on_together() -> No
 def test_a_suspect_whose_next_group_loses_its_node_stays_a_suspect_not_quarantined() -> None:
     async def run() -> None:
         gen, (g0, g1) = _generator()
-        params = SamplingParams(max_tokens=4, temperature=0.0)
-        g1.up = False
-        a = gen.start("a", [10, 11], params, [])
-        g1.up = True
-        ta = asyncio.create_task(_drain(a))
-        g0.client.out("a", [5])
-        await asyncio.sleep(0.05)
+        (ta,) = await _in_flight_on_group_0(gen, g0, g1, {"a": 5})
         g0.fail(gen.router)  # a crash: a is a suspect, continued on group 1
         await _until(lambda: len(g1.client.queues) == 1)
         assert gen.qod.suspects["a"].group == 1
@@ -218,16 +221,8 @@ def test_a_suspect_whose_next_group_loses_its_node_stays_a_suspect_not_quarantin
 def test_one_suspect_per_group_quarantine_on_the_second_failure_and_refusal() -> None:
     async def run() -> None:
         gen, (g0, g1) = _generator()
-        params = SamplingParams(max_tokens=4, temperature=0.0)
-        g1.up = False  # both start on group 0
-        a = gen.start("a", [10, 11], params, [])
-        b = gen.start("b", [20, 21], params, [])
-        assert a.supervisor is g0 and b.supervisor is g0
-        g1.up = True
-        ta, tb = asyncio.create_task(_drain(a)), asyncio.create_task(_drain(b))
-        g0.client.out("a", [5])
-        g0.client.out("b", [6])
-        await asyncio.sleep(0.05)
+        params = _PARAMS
+        ta, tb = await _in_flight_on_group_0(gen, g0, g1, {"a": 5, "b": 6})
         g0.fail(gen.router)  # both in flight: both suspects; one goes to group 1, one waits
         await _until(lambda: len(gen.qod.suspects) == 2 and gen.qod.suspect_groups() == {1})
         await asyncio.sleep(0.1)

@@ -7,7 +7,8 @@ requests in turn. Every rank computes the same list of transfers from the two ro
 sends and receives pair up without a word exchanged. What a rank receives or copies is staged
 (only the slots that change) and written into the stacked weights in place once every transfer
 of the layer is done: a slot that is the source of another's move is read before it is
-overwritten, and captured CUDA graphs keep reading the same tensors.
+overwritten, and captured CUDA graphs keep reading the same tensors. The staging is one tensor
+per weight for the local copies and one for what is received, whatever the number of slots.
 """
 
 from __future__ import annotations
@@ -70,29 +71,40 @@ def move_layer(
 ) -> int:
     """Carries out `transfers` on this EP rank (`rank`) for the stacked per-slot `weights` (each
     `[slots, ...]`); returns the bytes this rank sent to other ranks. Every rank of the group
-    calls it with the same transfers."""
-    staged: list[tuple[int, list[torch.Tensor]]] = []
+    calls it with the same transfers. What a rank copies from its own slots is gathered in one
+    launch per tensor and what it receives lands in one buffer per tensor (a row per incoming
+    slot), so a layer's move is a few launches and allocations, not a few per slot."""
+    local = [t for t in transfers if t.dst_rank == rank and not t.remote]
+    incoming = [t for t in transfers if t.dst_rank == rank and t.remote]
     sends: list[tuple[int, torch.Tensor]] = []
-    recvs: list[tuple[int, torch.Tensor]] = []
     sent = 0
     for t in transfers:
-        if t.dst_rank == rank:
-            if t.remote:
-                bufs = [torch.empty_like(w[t.dst_slot]) for w in weights]
-                recvs.extend((t.src_rank, b) for b in bufs)
-            else:
-                bufs = [w[t.src_slot].clone() for w in weights]
-            staged.append((t.dst_slot, bufs))
-        elif t.src_rank == rank:
+        if t.src_rank == rank and t.remote:
             for w in weights:
                 sends.append((t.dst_rank, w[t.src_slot]))
                 sent += w[t.src_slot].numel() * w.element_size()
+    device = weights[0].device if weights else None
+
+    def index(slots: list[int]) -> torch.Tensor:
+        return torch.tensor(slots, dtype=torch.int64, device=device)
+
+    # read before anything is written: a slot may be the source of another's move
+    copied = [_raw(w).index_select(0, index([t.src_slot for t in local])) for w in weights]
+    received = [w.new_empty((len(incoming), *w.shape[1:])) for w in weights]
+    recvs = [(t.src_rank, buf[i]) for i, t in enumerate(incoming) for buf in received]
     comm.exchange(sends, recvs)
     with torch.no_grad():
-        for slot, bufs in staged:
-            for w, b in zip(weights, bufs, strict=True):
-                w[slot].copy_(b)
+        for group, staged in ((local, copied), (incoming, received)):
+            if group:
+                dst = index([t.dst_slot for t in group])
+                for w, b in zip(weights, staged, strict=True):
+                    _raw(w).index_copy_(0, dst, _raw(b))
     return sent
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """The tensor, or its bytes where the index kernels lack its dtype (FP8 on CPU)."""
+    return t.view(torch.uint8) if t.element_size() == 1 and t.is_floating_point() else t
 
 
 def slot_bytes(weights: Sequence[torch.Tensor]) -> int:
