@@ -49,6 +49,23 @@ def test_the_documented_example_prints_what_the_docs_show() -> None:
     assert r.stdout == shown
 
 
+def test_the_readme_example_is_lines_of_what_the_command_prints() -> None:
+    """README's abridged plan example: its command, run, prints every line the README shows."""
+    import re
+    import shlex
+
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```(\w*)\n(.*?)```", readme, re.S)
+    i = next(i for i, (lang, b) in enumerate(blocks) if lang == "sh" and "safeserve plan" in b)
+    argv = shlex.split(blocks[i][1].replace("\\\n", " "))
+    assert argv[:2] == ["safeserve", "plan"]
+    r = plan(*argv[2:])
+    assert r.returncode == 0, r.stderr
+    printed = r.stdout.splitlines()
+    shown = blocks[i + 1][1].splitlines()
+    assert shown and all(line in printed for line in shown), (shown, printed)
+
+
 def test_json_for_scripts() -> None:
     r = plan("--model", QWEN3 + "/config.json", "--gpu", "H200", "--nodes", "2", "-o", "json")
     assert r.returncode == 0, r.stderr
