@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -304,3 +305,48 @@ def metric(s: Server, name: str) -> float:
         if line.startswith(name + "{") or line.startswith(name + " "):
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+async def greedy_streams_under_fault(  # type: ignore[no-untyped-def]
+    url: str, model: str, prompts: list[list[int]], tokens: int, fault
+) -> list[dict]:
+    """Greedy completions of `prompts` (`tokens` each, ignore_eos), streamed at once with their
+    token ids; once as many chunks as streams have arrived, `fault(running)` runs (`running`:
+    group -> its streams not finished yet). Each stream's {"group", "ids", "errors"}."""
+    results: list[dict] = [{} for _ in prompts]
+    started = asyncio.Event()
+    chunks = {"n": 0}
+    running: dict[int, int] = {}
+
+    async def one(i: int, c: httpx.AsyncClient) -> None:
+        body = {
+            "model": model,
+            "prompt": prompts[i],
+            "max_tokens": tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            "stream": True,
+        }
+        ids: list[int] = []
+        errors: list = []
+        async with c.stream("POST", url + "/v1/completions", json=body) as r:
+            group = int(r.headers["x-safeserve-group"])
+            running[group] = running.get(group, 0) + 1
+            async for line in r.aiter_lines():
+                chunk = sse_chunk(line, errors)
+                if chunk is None:
+                    continue
+                ids.extend(chunk["choices"][0].get("token_ids") or [])
+                chunks["n"] += 1
+                if chunks["n"] >= len(prompts):
+                    started.set()
+            running[group] -= 1
+        results[i] = {"group": group, "ids": ids, "errors": errors}
+
+    async with httpx.AsyncClient(timeout=300) as c:
+        tasks = [asyncio.create_task(one(i, c)) for i in range(len(prompts))]
+        await started.wait()
+        fault(running)
+        await asyncio.gather(*tasks)
+    return results

@@ -17,7 +17,14 @@ import pytest
 import torch
 from checkpoints_deepseek_v3 import write_deepseek_v3_checkpoint
 from checkpoints_families import write_mixtral_checkpoint, write_qwen2_moe_checkpoint
-from serving import admin_groups, metric, sse_chunk, start_server, stop_server, two_groups
+from serving import (
+    admin_groups,
+    greedy_streams_under_fault,
+    metric,
+    start_server,
+    stop_server,
+    two_groups,
+)
 from transformers import AutoModelForCausalLM
 
 WRITERS = {
@@ -72,7 +79,9 @@ def test_failover_and_admission_keep_every_token(family: str, overlap: bool, tmp
             killed.append(max(sorted(running), key=lambda g: running[g]))
             os.kill(pids[killed[0]], signal.SIGKILL)
 
-        results = asyncio.run(_stream_all(s.url, family, fault))
+        results = asyncio.run(
+            greedy_streams_under_fault(s.url, family, [_prompt(i) for i in range(N)], TOKENS, fault)
+        )
         assert any(r["group"] == killed[0] for r in results)
         for i, r in enumerate(results):
             assert not r["errors"], r["errors"]
@@ -102,43 +111,3 @@ def test_failover_and_admission_keep_every_token(family: str, overlap: bool, tmp
             time.sleep(0.2)
     finally:
         stop_server(s.proc)
-
-
-async def _stream_all(url: str, model: str, fault) -> list[dict]:  # type: ignore[no-untyped-def]
-    results: list[dict] = [{} for _ in range(N)]
-    started = asyncio.Event()
-    chunks = {"n": 0}
-    running: dict[int, int] = {}  # group -> its streams not finished yet
-
-    async def one(i: int, c: httpx.AsyncClient) -> None:
-        body = {
-            "model": model,
-            "prompt": _prompt(i),
-            "max_tokens": TOKENS,
-            "temperature": 0.0,
-            "ignore_eos": True,
-            "return_token_ids": True,
-            "stream": True,
-        }
-        ids: list[int] = []
-        errors: list = []
-        async with c.stream("POST", url + "/v1/completions", json=body) as r:
-            group = int(r.headers["x-safeserve-group"])
-            running[group] = running.get(group, 0) + 1
-            async for line in r.aiter_lines():
-                chunk = sse_chunk(line, errors)
-                if chunk is None:
-                    continue
-                ids.extend(chunk["choices"][0].get("token_ids") or [])
-                chunks["n"] += 1
-                if chunks["n"] >= N:
-                    started.set()
-            running[group] -= 1
-        results[i] = {"group": group, "ids": ids, "errors": errors}
-
-    async with httpx.AsyncClient(timeout=300) as c:
-        tasks = [asyncio.create_task(one(i, c)) for i in range(N)]
-        await started.wait()
-        fault(running)
-        await asyncio.gather(*tasks)
-    return results

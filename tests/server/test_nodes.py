@@ -21,13 +21,20 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import psutil
 import pytest
 import torch
 import zmq
 from agents import completion_ids, greedy, kill_tree, nodes_view, prompt, start_agent
-from serving import admin_groups, free_port, metric, oncall, sse_chunk, start_server, stop_server
+from serving import (
+    admin_groups,
+    free_port,
+    greedy_streams_under_fault,
+    metric,
+    oncall,
+    start_server,
+    stop_server,
+)
 from transformers import AutoModelForCausalLM
 
 from safeserve import messages as m
@@ -103,43 +110,6 @@ def test_groups_on_agents_serve_transformers_greedy(cluster, checkpoint: Path) -
     assert seen == {0, 1}
 
 
-async def _streams(url: str, model: str, started_after: int, fault) -> list[dict]:  # type: ignore[no-untyped-def]
-    results: list[dict] = [{} for _ in range(N)]
-    started = asyncio.Event()
-    chunks = {"n": 0}
-
-    async def one(i: int, c: httpx.AsyncClient) -> None:
-        body = {
-            "model": model,
-            "prompt": prompt(i),
-            "max_tokens": TOKENS,
-            "temperature": 0.0,
-            "ignore_eos": True,
-            "return_token_ids": True,
-            "stream": True,
-        }
-        ids: list[int] = []
-        errors: list = []
-        async with c.stream("POST", url + "/v1/completions", json=body) as r:
-            group = int(r.headers["x-safeserve-group"])
-            async for line in r.aiter_lines():
-                chunk = sse_chunk(line, errors)
-                if chunk is None:
-                    continue
-                ids.extend(chunk["choices"][0].get("token_ids") or [])
-                chunks["n"] += 1
-                if chunks["n"] >= started_after:
-                    started.set()
-        results[i] = {"group": group, "ids": ids, "errors": errors}
-
-    async with httpx.AsyncClient(timeout=300) as c:
-        tasks = [asyncio.create_task(one(i, c)) for i in range(N)]
-        await started.wait()
-        fault()
-        await asyncio.gather(*tasks)
-    return results
-
-
 def test_node_loss_costs_its_group_only_and_no_request(cluster, checkpoint: Path) -> None:  # type: ignore[no-untyped-def]
     s, agents, key_dir, node_port, d, proxies = cluster
     hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
@@ -150,11 +120,15 @@ def test_node_loss_costs_its_group_only_and_no_request(cluster, checkpoint: Path
     )
     killed_at: list[float] = []
 
-    def fault() -> None:
+    def fault(running: dict[int, int]) -> None:
         killed_at.append(time.time())
         kill_tree(agents[victim])
 
-    results = asyncio.run(_streams(s.url, str(checkpoint), N, fault))
+    results = asyncio.run(
+        greedy_streams_under_fault(
+            s.url, str(checkpoint), [prompt(i) for i in range(N)], TOKENS, fault
+        )
+    )
     for i, r in enumerate(results):
         assert not r["errors"], r["errors"]
         assert r["ids"] == ref[i], i  # nothing lost, nothing repeated
@@ -229,26 +203,37 @@ def _wait_ready(s, within: float) -> None:  # type: ignore[no-untyped-def]
     assert all(n["state"] == "READY" for n in nodes_view(s)["nodes"]), nodes_view(s)
 
 
+def _streams_through(s, checkpoint: Path, victim: str, fault) -> list[int]:  # type: ignore[no-untyped-def]
+    """With every group READY: the rank pids of `victim`'s group, then N greedy streams with
+    `fault` done once they run; each checked against transformers (none lost or repeated: a
+    faulted group returns nothing more)."""
+    _wait_ready(s, 60)
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    ref = [_greedy(hf, prompt(i)) for i in range(N)]
+    (group,) = _placement(s)[victim]
+    pids = _rank_pids(s, group)
+    prompts = [prompt(i) for i in range(N)]
+    results = asyncio.run(
+        greedy_streams_under_fault(s.url, str(checkpoint), prompts, TOKENS, fault)
+    )
+    for i, r in enumerate(results):
+        assert not r["errors"], r["errors"]
+        assert r["ids"] == ref[i], i
+    return pids
+
+
 def test_partition_costs_one_group_and_its_ranks_stop_by_the_lease(
     cluster, checkpoint: Path
 ) -> None:  # type: ignore[no-untyped-def]
     s, agents, key_dir, node_port, d, proxies = cluster
-    _wait_ready(s, 60)
-    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    ref = [_greedy(hf, prompt(i)) for i in range(N)]
     victim = "b"
-    (group,) = _placement(s)[victim]
-    pids = _rank_pids(s, group)
     cut_at: list[float] = []
 
-    def fault() -> None:
+    def fault(running: dict[int, int]) -> None:
         cut_at.append(time.monotonic())
         proxies[victim].partition()
 
-    results = asyncio.run(_streams(s.url, str(checkpoint), N, fault))
-    for i, r in enumerate(results):
-        assert not r["errors"], r["errors"]
-        assert r["ids"] == ref[i], i  # none lost or repeated: a cut-off group returns nothing
+    pids = _streams_through(s, checkpoint, victim, fault)
     lease = nodes_view(s)["lease_s"]
     node = next(n for n in nodes_view(s)["nodes"] if n["id"] == victim)
     assert node["state"] == "LOST" and "lease" in node["lost_reason"], node
@@ -265,27 +250,20 @@ def test_frozen_node_costs_one_group_and_its_ranks_stop_when_it_thaws(
     cluster, checkpoint: Path
 ) -> None:  # type: ignore[no-untyped-def]
     s, agents, key_dir, node_port, d, proxies = cluster
-    _wait_ready(s, 60)
-    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    ref = [_greedy(hf, prompt(i)) for i in range(N)]
     victim = "a"
-    (group,) = _placement(s)[victim]
-    pids = _rank_pids(s, group)
+    _wait_ready(s, 60)  # every rank of the victim's tree started
     tree = [agents[victim].pid] + [
         c.pid for c in psutil.Process(agents[victim].pid).children(recursive=True)
     ]
     stopped_at: list[float] = []
 
-    def fault() -> None:
+    def fault(running: dict[int, int]) -> None:
         stopped_at.append(time.monotonic())
         for pid in tree:
             os.kill(pid, signal.SIGSTOP)
 
     try:
-        results = asyncio.run(_streams(s.url, str(checkpoint), N, fault))
-        for i, r in enumerate(results):
-            assert not r["errors"], r["errors"]
-            assert r["ids"] == ref[i], i
+        pids = _streams_through(s, checkpoint, victim, fault)
         node = next(n for n in nodes_view(s)["nodes"] if n["id"] == victim)
         assert node["state"] == "LOST", node
     finally:
