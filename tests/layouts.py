@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import traceback
 from pathlib import Path
 
 import torch
 
+from safeserve.ports import free_port
 from safeserve.spawn import run_ranks, spawn_ranks
 
 LAYOUTS = {
@@ -186,7 +188,14 @@ def assert_layout_matches(
     """Layout `name` computes the reference's sequences in `chunks`: the logits of every
     chunk's last row within 1e-4 of transformers', and no other rows."""
     seqs, ref = reference
-    got = run_layout(checkpoint, name, seqs, chunks, port)
+    assert_rows_match(run_layout(checkpoint, name, seqs, chunks, port), seqs, ref, chunks, name)
+
+
+def assert_rows_match(
+    got: dict, seqs: list[list[int]], ref: dict, chunks: list[int], name: str = ""
+) -> None:
+    """`got` ({(seq, position): logits row}) holds the last row of every chunk of every
+    sequence and no other, each within 1e-4 of `ref[seq][position]` (transformers')."""
     starts = [sum(chunks[:k]) for k in range(len(chunks))]
     expected = {
         (i, min(start + n, len(s)) - 1)
@@ -203,6 +212,70 @@ def assert_layout_matches(
             rtol=0,
             msg=lambda m, i=i, pos=pos: f"{name}: seq {i} pos {pos}: {m}",
         )
+
+
+class _Tagged:
+    """A rank's queue, each message tagged with the group run it belongs to."""
+
+    def __init__(self, queue: mp.Queue, key: tuple) -> None:
+        self.queue, self.key = queue, key
+
+    def put(self, item: tuple) -> None:
+        self.queue.put((self.key, item))
+
+
+def _every_group_rank(
+    rank: int, runs: list[tuple], seqs: list[list[int]], chunks: list[int], queue: mp.Queue
+) -> None:
+    # One thread a rank (as the server's ranks have on a small host): four ranks of two OpenMP
+    # threads each on two cores spend most of their time in each other's barriers.
+    torch.set_num_threads(1)
+    for key, model, layout, init, server_kw in runs:
+        if rank < layout[0]:
+            tagged = _Tagged(queue, key)
+            try:
+                _rank_main("cpu", model, layout, rank, init, seqs, chunks, None, tagged, server_kw)
+            except Exception:  # that group's failure; the next runs go on
+                tagged.put(("error", rank, traceback.format_exc()))
+
+
+def run_layouts(
+    groups: dict[tuple, tuple[Path, str, dict | None]],
+    seqs: list[list[int]],
+    chunks: list[int],
+    timeout: float = 240.0,
+) -> dict[tuple, tuple[dict, dict, str | None]]:
+    """Several groups run one after another by one set of processes (starting processes is
+    the slow part on CPU): `groups` maps a key to (checkpoint, LAYOUTS name, more ServerArgs
+    fields). Per key: ({(seq, position): logits row}, {rank: steps run as two micro-batches},
+    the error of a failed rank or None)."""
+    ports: set[int] = set()
+    while len(ports) < len(groups) + 1:
+        ports.add(free_port())
+    first, *rest = sorted(ports)
+    runs = [
+        (key, str(model), LAYOUTS[name], f"tcp://127.0.0.1:{port}", kw)
+        for (key, (model, name, kw)), port in zip(groups.items(), rest, strict=True)
+    ]
+    out: dict = {key: ({}, {}, None) for key in groups}
+    pending = sum(LAYOUTS[name][0] for _, name, _ in groups.values())  # a "done" or error a rank
+    world = max(LAYOUTS[name][0] for _, name, _ in groups.values())
+    with spawn_ranks(
+        world, _every_group_rank, lambda r, init, q: (r, runs, seqs, chunks, q), port=first
+    ) as ranks:
+        while pending:
+            key, (a, b, c) = ranks.get(timeout=timeout)
+            logits, splits, error = out[key]
+            if a == "error":
+                out[key] = (logits, splits, f"rank {b} failed:\n{c}")
+            elif a == "splits":
+                splits[b] = c
+                continue
+            if a in ("error", "done"):
+                pending -= 1
+                continue
+            logits[(a, b)] = torch.tensor(c)
+    return out
 
 
 def _dispatch_rank_main(rank: int, world: int, init: str) -> dict:

@@ -15,20 +15,15 @@ One set of four spawned processes runs every (family, layout) group in turn
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import traceback
-
 import pytest
 import torch
 from checkpoints import write_qwen3_moe_checkpoint
 from checkpoints_deepseek_v3 import write_deepseek_v3_checkpoint
 from checkpoints_families import write_qwen2_moe_checkpoint
-from layouts import LAYOUTS, _rank_main
-from serving import free_port
+from layouts import LAYOUTS, assert_rows_match, run_layouts
 from transformers import AutoModelForCausalLM
 
 from safeserve.engine.overlap import decide_split
-from safeserve.spawn import spawn_ranks
 
 FAMILIES = {
     "qwen3_moe": write_qwen3_moe_checkpoint,
@@ -56,26 +51,6 @@ def _server_kw(family: str, sbo_only: bool = False) -> dict:
     }
 
 
-class _Tagged:
-    def __init__(self, queue: mp.Queue, key: tuple[str, str]) -> None:
-        self.queue, self.key = queue, key
-
-    def put(self, item: tuple) -> None:
-        self.queue.put((self.key, item))
-
-
-def _every_group_rank(rank: int, runs: list[tuple], seqs: list[list[int]], queue: mp.Queue) -> None:
-    torch.set_num_threads(1)
-    for key, model, layout, init in runs:
-        if rank < layout[0]:
-            tagged = _Tagged(queue, key)
-            kw = _server_kw(key[0], sbo_only=len(key) > 2)
-            try:
-                _rank_main("cpu", model, layout, rank, init, seqs, CHUNKS, None, tagged, kw)
-            except Exception:
-                tagged.put(("error", rank, traceback.format_exc()))
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory):
     """{(family, layout): ({(seq, position): logits row}, {rank: split steps}, error)}, the
@@ -88,35 +63,12 @@ def results(tmp_path_factory: pytest.TempPathFactory):
         hf = AutoModelForCausalLM.from_pretrained(ckpts[family], dtype=torch.float32).eval()
         with torch.no_grad():
             ref[family] = {i: hf(torch.tensor([s])).logits[0] for i, s in enumerate(seqs)}
-    keys: list[tuple] = [(f, name) for f in FAMILIES for name in TBO_LAYOUTS]
-    keys.append((*SBO_ONLY, "sbo-only"))
-    ports: set[int] = set()
-    while len(ports) < len(keys) + 1:
-        ports.add(free_port())
-    first, *rest = sorted(ports)
-    runs = [
-        (key, str(ckpts[key[0]]), LAYOUTS[key[1]], f"tcp://127.0.0.1:{port}")
-        for key, port in zip(keys, rest, strict=True)
-    ]
-    out: dict = {key: ({}, {}, None) for key in keys}
-    pending = sum(LAYOUTS[k[1]][0] for k in keys)
-    world = max(LAYOUTS[name][0] for name in TBO_LAYOUTS)
-    with spawn_ranks(
-        world, _every_group_rank, lambda r, init, q: (r, runs, seqs, q), port=first
-    ) as ranks:
-        while pending:
-            key, (a, b, c) = ranks.get(timeout=240)
-            logits, splits, error = out[key]
-            if a == "error":
-                out[key] = (logits, splits, f"rank {b} failed:\n{c}")
-            elif a == "splits":
-                splits[b] = c
-                continue
-            if a in ("error", "done"):
-                pending -= 1
-                continue
-            logits[(a, b)] = torch.tensor(c)
-    return out, seqs, ref
+    groups: dict[tuple, tuple] = {
+        (f, name): (ckpts[f], name, _server_kw(f)) for f in FAMILIES for name in TBO_LAYOUTS
+    }
+    family, name = SBO_ONLY
+    groups[(*SBO_ONLY, "sbo-only")] = (ckpts[family], name, _server_kw(family, sbo_only=True))
+    return run_layouts(groups, seqs, CHUNKS), seqs, ref
 
 
 def _expected_splits(layout: tuple, seqs: list[list[int]]) -> int:
@@ -145,7 +97,7 @@ def test_overlap_logits_match_transformers(results, family: str, name: str) -> N
     expected = _expected_splits(LAYOUTS[name], seqs)
     assert expected >= 1
     assert splits == {r: expected for r in range(tp)}
-    _assert_rows(got, seqs, ref[family])
+    assert_rows_match(got, seqs, ref[family], CHUNKS, name)
 
 
 def test_single_batch_overlap_alone_matches_transformers(results) -> None:
@@ -153,23 +105,4 @@ def test_single_batch_overlap_alone_matches_transformers(results) -> None:
     got, splits, error = out[(*SBO_ONLY, "sbo-only")]
     assert error is None, error
     assert splits == {0: 0, 1: 0}  # no step ran split
-    _assert_rows(got, seqs, ref[SBO_ONLY[0]])
-
-
-def _assert_rows(got: dict, seqs: list[list[int]], ref: dict) -> None:
-    starts = [sum(CHUNKS[:k]) for k in range(len(CHUNKS))]
-    rows = {
-        (i, min(start + n, len(s)) - 1)
-        for i, s in enumerate(seqs)
-        for start, n in zip(starts, CHUNKS, strict=True)
-        if start < len(s)
-    }
-    assert set(got) == rows
-    for (i, pos), row in got.items():
-        torch.testing.assert_close(
-            row,
-            ref[i][pos],
-            atol=1e-4,
-            rtol=0,
-            msg=lambda m, i=i, pos=pos: f"seq {i} pos {pos}: {m}",
-        )
+    assert_rows_match(got, seqs, ref[SBO_ONLY[0]], CHUNKS, "sbo-only")
