@@ -67,6 +67,7 @@ def main() -> None:
     args.enable_eplb = True
     t0 = time.perf_counter()
     runner = ModelRunner(args, 0, None)
+    runner.freeze_gc_on_serving = True  # one runner in this process, as in a rank process
     runner.begin_serving()
     log(
         {"phase": "ready", "s": round(time.perf_counter() - t0, 1), "eplb": runner.eplb is not None}

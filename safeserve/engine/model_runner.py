@@ -137,6 +137,9 @@ class ModelRunner:
         self.faults = Faults()
         self.corrupted = False  # fault injection `corrupt` damaged the weights (for good)
         self.serving = False  # set by begin_serving()
+        # a rank process's runner: begin_serving() freezes start-up's objects out of the garbage
+        # collector (not for runners built in a longer-lived process, which would keep them)
+        self.freeze_gc_on_serving = False
         self.startup_peak_bytes: int | None = None  # set by begin_serving()
         self.last_own_step_s = 0.0  # this rank's step time outside collectives
         self.cuda_graphs: DecodeCudaGraphs | None = None
@@ -177,7 +180,8 @@ class ModelRunner:
         """Called when the group idles (the first time: start-up is over). From then on
         `memory_peak_bytes` is the peak while serving (start-up's profiling and capture peak is
         kept apart), the balancedness windows hold served passes only (not the warm-up's), and
-        the objects start-up made are frozen out of the garbage collector's generations."""
+        in a rank process the objects start-up made are frozen out of the garbage collector's
+        generations."""
         if self.serving:
             return
         self.serving = True
@@ -188,11 +192,12 @@ class ModelRunner:
             self.dispatcher.balance.clear()
         if self.eplb is not None:
             self.eplb.begin_serving()
-        # What start-up built (the model, its tables, the graphs' bookkeeping) lives as long as
-        # the rank: out of the collector's sight, so a full collection while serving scans only
-        # what serving allocates (one took 100 ms of an EPLB step before).
-        gc.collect()
-        gc.freeze()
+        if self.freeze_gc_on_serving:
+            # What start-up built (the model, its tables, the graphs' bookkeeping) lives as long
+            # as the rank: out of the collector's sight, a full collection while serving scans
+            # only what serving allocates (one took 100 ms of an EPLB step before).
+            gc.collect()
+            gc.freeze()
 
     def stats(self) -> RankStats:
         """What this rank's heartbeats carry besides (step, phase)."""

@@ -156,6 +156,7 @@ def run_rank(
         if fail_at_start:
             raise RuntimeError("injected start-up failure (--fault-fail-start-group)")
         runner = ModelRunner(args, rank, init_method, on_phase=hb.beat, device_index=device_index)
+        runner.freeze_gc_on_serving = True  # this process lives as long as the runner
         hb.stats = runner.stats
     except Exception as e:  # start-up failure: tell the frontend in one line, then exit
         _fatal(out, group, rank, "start-up failed", e)
