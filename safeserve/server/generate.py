@@ -5,8 +5,8 @@ the remaining `max_tokens`, the same sampling and seed), so the client's stream 
 token lost or repeated. A request that was in flight on a failed group is a suspect: it migrates
 once, onto a group holding no other suspect, and is quarantined if that group fails too
 (`safeserve.guards.quarantine`); a group that failed because a node agent running its ranks was
-lost makes no suspects (the host failed, not a request). An engine error in the request alone ends that request (500
-`internal_error`); its group is fine, so it is not retried.
+lost makes no suspects (the host failed, not a request). An engine error in the request alone
+ends that request (500 `internal_error`); its group is fine, so it is not retried.
 
 A request that is still waiting in its group (no output received, so no token generated and
 nothing sent to its client) may be *moved* once to a group that just became READY

@@ -293,32 +293,28 @@ def test_balancedness_after_the_rebalance_reaches_0_9(acceptance: Acceptance) ->
 
     Measured (64 requests, 325 passes, checks every 110): 0.60 over the trivial placement's last
     100 passes -> 0.79 over the 100 after the first rebalance -> 0.93 over the run's last 100,
-    all after the second rebalance (which predicted 0.99 from the 110 passes before it; 0.92
-    when every layer's replica offsets still came from one generator for the whole map);
+    all after the second rebalance (which predicted 0.99 from the 110 passes before it);
     dispatches cut per pass 2.00 -> 0.77, admission rounds per pass 4.00 -> 2.77. The placement
     is DeepSeek's refined for the routers' spread (`moe/eplb/refine.py`: a rank keeps its tokens
     on its own replicas), and an expert's pairs take its candidates in turn
-    (`Router._spread_ids`). With 16 redundant experts (one generator's offsets): 0.76 -> 0.94
-    -> 0.92, but the trivial
-    placement already cuts no dispatch (0.00 -> 0.05 per pass). The numbers do not vary from run
-    to run: the greedy outputs (equal to transformers'), so the routing, the placement and the
-    routers' spread are all deterministic.
+    (`Router._spread_ids`). The numbers do not vary from run to run: the greedy outputs (equal
+    to transformers'), so the routing, the placement and the routers' spread are deterministic.
 
-    Two things kept the bound out of reach of the earlier run (32 requests decoding 212 tokens,
-    one rebalance: 0.60 -> 0.87, 0.97 predicted; with 16 redundant experts 0.75 -> 0.88; with a
-    second rebalance 0.875 over the last 100 of 322 passes), both measured offline from
-    transformers' routing of the same requests:
+    Why this workload needs two rebalances and 64 sequences (measured offline from
+    transformers' routing of the same requests):
 
     - This checkpoint's greedy continuations route differently as they grow (they settle into
       repeated tokens; in the second MoE layer expert 6 takes 17 % of the pairs over the first
       110 decode steps, 29 % over the next 100 and 33 % over the 90 after, expert 1 42 %, 30 %,
       24 %), so the placement made from the first 110 passes is stale for the next 100. A server
       checks every --eplb-rebalance-num-iterations passes for as long as it runs: the second
-      check sees the settled routing and corrects the placement, as it would in production.
+      check sees the settled routing and corrects the placement.
     - Balancedness is measured per pass and averaged (the peer EPLB's definition): a decode pass
       of 32 sequences routes 64 (token, expert) pairs per layer, too few to load four ranks
       evenly whatever the placement (one made from the window's own routing measures 0.90 per
       pass); 64 sequences, the server's default --max-running-requests and a loaded server's
       batch, route 128 (the same oracle: 0.93).
+    - With 16 redundant experts the trivial placement already cuts no dispatch, so the fall of
+      the cuts could not be shown.
     """
     assert acceptance.balancedness_after >= 0.9
