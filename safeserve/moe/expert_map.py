@@ -182,11 +182,11 @@ class ExpertMap:
 
         `rank` None: tokens every rank holds and routes alike: every replica, from the seeded
         offset (the routers then spread each share of the tokens as its rank would)."""
-        return self.candidate_rows(rank)[layer][logical]
+        return self.candidate_row(layer, rank)[logical]
 
     def send_to(self, layer: int, logical: int, rank: int | None) -> int:
         """The first of `candidates`: where a lone token goes."""
-        return self.candidate_rows(rank)[layer][logical][0]
+        return self.candidate_row(layer, rank)[logical][0]
 
     def send_rows(self, rank: int | None) -> tuple[tuple[int, ...], ...]:
         """`send_to` of every (layer, logical expert) for `rank`: `[L][E]` physical slots."""
