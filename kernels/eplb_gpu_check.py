@@ -7,9 +7,10 @@ Reports (JSON lines, and a summary on the last line):
   placement (and vs the graphs' logits of the same step before the move: the placement does
   not change what the model computes), as the largest absolute difference and greedy agreement;
 - the longest single EPLB step (the stall a chunked rebalance adds between two model steps);
-- the decode step time with EPLB's counting on (no rebalance due) vs off (the same runner,
-  graphs recaptured without the counting, then with it again: on / off / on, every timed step
-  the same decode step at one position, so the three differ only by the counting);
+- the decode step time with EPLB's counting on (no rebalance due) vs off (the same runner, with
+  graphs captured with and without the counting, both held, timed in alternating blocks: on,
+  off, off, on, ...; every timed step the same decode step at one position, so the sides differ
+  only by the counting), overall medians and the ratio per block pair;
 - every EPLB step's stall (`stalls_ms`), and what re-installing the placement alone costs
   (`map_update_ms`: the routers' tables and the dispatcher's view, no weights moved).
 
@@ -35,7 +36,10 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--layers-per-chunk", type=int, default=1)
-    p.add_argument("--timed-steps", type=int, default=30, help="per side of the on/off/on timing")
+    p.add_argument("--timed-steps", type=int, default=30, help="per block of the on/off timing")
+    p.add_argument(
+        "--timing-rounds", type=int, default=6, help="on/off block pairs, alternating order"
+    )
     p.add_argument(
         "--breakdown",
         action="store_true",
@@ -191,18 +195,34 @@ def main() -> None:
             times.append(time.perf_counter() - t)
         return times[2:]
 
+    # Both graph sets held at once, timed in alternating blocks (on, off, off, on, ...: a drift
+    # of the clocks falls on both sides alike).
     eplb = runner.eplb
-    on_times = time_steps()
+    sides = {"on": (eplb, runner.cuda_graphs, runner.piecewise)}
     for layer in eplb.layers:
         layer.recorder = None
     runner.eplb = None
     runner.capture_cuda_graphs()
-    off_times = time_steps()
+    sides["off"] = (None, runner.cuda_graphs, runner.piecewise)
     for layer in eplb.layers:
         layer.recorder = eplb.recorder
-    runner.eplb = eplb
-    runner.capture_cuda_graphs()
-    on_times += time_steps()
+
+    def use(side: str) -> None:
+        runner.eplb, runner.cuda_graphs, runner.piecewise = sides[side]
+        for layer in eplb.layers:
+            layer.recorder = eplb.recorder if side == "on" else None
+
+    times: dict[str, list[float]] = {"on": [], "off": []}
+    ratios = []
+    for r in range(ns.timing_rounds):
+        block = {}
+        for side in ("on", "off") if r % 2 == 0 else ("off", "on"):
+            use(side)
+            block[side] = time_steps()
+            times[side] += block[side]
+        ratios.append(statistics.median(block["on"]) / statistics.median(block["off"]))
+    use("on")
+    on_times, off_times = times["on"], times["off"]
     on_ms = statistics.median(on_times) * 1e3
     off_ms = statistics.median(off_times) * 1e3
     log(
@@ -218,6 +238,7 @@ def main() -> None:
             "step_ms_eplb_on": on_ms,
             "step_ms_eplb_off": off_ms,
             "on_over_off": on_ms / off_ms,
+            "on_over_off_per_round": [round(x, 4) for x in ratios],
             "device": torch.cuda.get_device_name() if ns.device == "cuda" else "cpu",
         }
     )

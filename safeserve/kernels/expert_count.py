@@ -2,8 +2,10 @@
 
 `count_experts(ids, out, real)` adds 1 to `out[e]` for every choice e >= 0 of `ids` [T, K]
 (-1: not routed), skipping the rows where `real` [>= T] (bool) is False (a graph bucket's
-padding). One atomic add per choice into the layer's int32 row; no host sync, so a captured
-CUDA graph holds it. The torch path (three to five launches) is the reference and the CPU path.
+padding). One relaxed atomic add per choice into the layer's int32 row (no fence: the counts are
+read by later launches only; with the default acq_rel fences the counting cost a decode step of
+Qwen3-30B-A3B's shapes at batch 64 on an H200 about 1 % more); no host sync, so a captured CUDA
+graph holds it. The torch path (three to five launches) is the reference and the CPU path.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ if HAS_TRITON:
             ids = tl.where(real != 0, ids, -1)
         counted = inside & (ids >= 0)
         tl.atomic_add(out_ptr + tl.where(counted, ids, 0), tl.full([BLOCK], 1, tl.int32),
-                      mask=counted)  # fmt: skip
+                      mask=counted, sem="relaxed")  # fmt: skip
 
 
 def count_experts(ids: torch.Tensor, out: torch.Tensor, real: torch.Tensor | None = None) -> None:

@@ -174,7 +174,7 @@ class ExpertMap:
     def candidates(self, layer: int, logical: int, rank: int | None) -> tuple[int, ...]:
         """The replicas that the tokens of EP rank `rank` choosing `logical` in `layer` are
         spread over, one (token, expert) pair to each in turn (the n-th pair of the batch
-        choosing `logical` to candidate n % count, `Router._spread_ids`): the rank's own
+        choosing `logical` to candidate n % count, `kernels.replica_spread.spread_ids`): the rank's own
         replicas where it holds any (no transfer), ascending; else every replica, from a
         seeded offset per expert plus this rank's turn among the ranks holding none (so that
         their first tokens go to different replicas). Equal shares per replica, as the EPLB

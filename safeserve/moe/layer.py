@@ -62,9 +62,7 @@ class MoELayer(torch.nn.Module):
         """The block as a computation that yields while its dispatch or combine moves
         (`parallel/schedule.py`). With single-batch overlap the shared experts run once the
         last combine is issued, before it is waited for."""
-        topk = self.gate(hidden_states)
-        if self.recorder is not None:
-            self._record(topk.topk_ids)
+        topk = self.gate(hidden_states, *self._counting())
         shared: list[torch.Tensor] = []  # the shared experts' output, once computed
         if self._direct(hidden_states):
             # One rank, one round, CUDA: the fused MoE allocates its own (budget-bounded)
@@ -93,12 +91,14 @@ class MoELayer(torch.nn.Module):
             self.on_phase("attention")
         return out
 
-    def _record(self, ids: torch.Tensor) -> None:
-        """Counts the step's routed choices (a graph bucket's padding rows are not tokens)."""
-        assert self.recorder is not None
+    def _counting(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Where the router counts the step's routed choices (the recorder's open row of this
+        layer, or None: not recorded) and which rows are tokens (a graph bucket's padding rows
+        are not)."""
+        if self.recorder is None:
+            return None, None
         step = self.dispatcher.step
-        real = step.real if step is not None else None
-        self.recorder.record(self.moe_index, ids, real)
+        return self.recorder.pass_row(self.moe_index), step.real if step is not None else None
 
     def _shared(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shared = self.shared_experts

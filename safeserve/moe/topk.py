@@ -16,7 +16,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from safeserve.kernels.expert_count import count_experts
 from safeserve.kernels.grouped_topk import fused_grouped_topk, grouped_topk_torch
+from safeserve.kernels.replica_spread import spread_ids
 from safeserve.kernels.topk_softmax import skew_ids, softmax_topk
 
 __all__ = ["RouterConfig", "Router", "TopKOutput", "grouped_topk", "skew_ids", "softmax_topk"]
@@ -52,19 +54,6 @@ class TopKOutput:
     topk_ids: torch.Tensor  # [T, k] int64, physical expert ids
     topk_weights: torch.Tensor  # [T, k] in the hidden dtype
     router_logits: torch.Tensor  # [T, E] (kept for load statistics and tests)
-
-
-def _ordinal(key: torch.Tensor, num_keys: int) -> torch.Tensor:
-    """For each entry of `key` ([N] ints in [0, num_keys)), how many earlier entries have its
-    value (0 for the first of a value)."""
-    n = key.shape[0]
-    order = torch.sort(key, stable=True).indices
-    position = torch.empty_like(order)
-    position[order] = torch.arange(n, device=key.device)
-    count = torch.zeros(num_keys, dtype=torch.int64, device=key.device)
-    count.index_add_(0, key, torch.ones_like(key))
-    first = count.cumsum(0) - count
-    return position - first[key]
 
 
 def grouped_topk(
@@ -171,29 +160,6 @@ class Router(torch.nn.Module):
         self.spread.copy_(rows)
         self.spread_count.copy_(counts)  # type: ignore[union-attr]
 
-    def _spread_ids(self, logical_ids: torch.Tensor) -> torch.Tensor:
-        """Each token's choices over the candidates of its source share (`spread`): the pairs of
-        a share choosing an expert go to its candidates in turn, in token order (the n-th such
-        pair to candidate n % count), so every candidate takes an equal share of the batch's
-        pairs, within one. Counting turns per expert, not by token index: with the index a
-        candidate took every token whose index it matched, and an expert's few tokens of a
-        decode batch could all land on one replica. No host sync (CUDA graphs hold it)."""
-        assert self.spread is not None and self.spread_count is not None
-        n, k = logical_ids.shape[0], logical_ids.shape[1]
-        sources, experts = self.spread.shape[0], self.spread.shape[1]
-        if sources == 1:  # this rank's own tokens: one table
-            source = torch.zeros_like(logical_ids)
-        else:
-            t = torch.arange(n, device=logical_ids.device)[:, None]
-            base, extra = divmod(n, sources)
-            cut = extra * (base + 1)
-            source = torch.where(t < cut, t // (base + 1), extra + (t - cut) // max(base, 1))
-            source = source.expand_as(logical_ids)
-        key = (source * experts + logical_ids).reshape(-1)  # (share, expert) of each pair
-        turn = _ordinal(key, sources * experts).view(n, k)
-        turn = turn % self.spread_count[source, logical_ids]
-        return self.spread[source, logical_ids, turn]
-
     @property
     def skew_expert(self) -> int | None:
         return self._skew_expert
@@ -204,7 +170,16 @@ class Router(torch.nn.Module):
         self._skew_expert = expert
         self.skew.fill_(-1 if expert is None else expert % self.weight.shape[0])
 
-    def forward(self, hidden_states: torch.Tensor) -> TopKOutput:
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        counts: torch.Tensor | None = None,
+        real: torch.Tensor | None = None,
+    ) -> TopKOutput:
+        """The batch's routing; with `counts` (a recorder's open row of this layer, int32 per
+        physical slot) its physical choices are added there, but for the rows where `real` (bool,
+        one per token) is False: inside the replica spread's launch where experts have
+        replicas."""
         if hidden_states.is_cuda and self.cfg.plain_softmax:
             # Triton: the router GEMM (decode-sized batches) and the same float32 top-k math,
             # the weights' cast, the skew and the id mapping, in one launch.
@@ -219,7 +194,7 @@ class Router(torch.nn.Module):
                 self.logical_to_physical,
                 skew=self.skew,
             )
-            return self._output(ids, weights, logits)
+            return self._output(ids, weights, logits, counts, real)
         if self.cfg.logits_fp32:
             logits = F.linear(hidden_states.float(), self.weight.float())
         else:
@@ -240,7 +215,7 @@ class Router(torch.nn.Module):
                 self.logical_to_physical,
                 skew=self.skew,
             )
-            return self._output(ids, weights, logits)
+            return self._output(ids, weights, logits, counts, real)
         if self.cfg.plain_softmax:
             weights, logical_ids = softmax_topk(
                 logits, self.top_k, self.renormalize, hidden_states.dtype
@@ -253,9 +228,19 @@ class Router(torch.nn.Module):
             # Fault injection: every token picks the experts starting at one (the worst skew),
             # as the kernels do it.
             logical_ids = skew_ids(logical_ids, self.skew, logits.shape[-1])
-        return self._output(self.logical_to_physical[logical_ids], weights, logits)
+        return self._output(self.logical_to_physical[logical_ids], weights, logits, counts, real)
 
-    def _output(self, ids: torch.Tensor, weights: torch.Tensor, logits: torch.Tensor) -> TopKOutput:
+    def _output(
+        self,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        logits: torch.Tensor,
+        counts: torch.Tensor | None,
+        real: torch.Tensor | None,
+    ) -> TopKOutput:
         if self.spread is not None:  # the kernels mapped through the identity: ids are logical
-            ids = self._spread_ids(ids)
+            assert self.spread_count is not None
+            ids = spread_ids(ids, self.spread, self.spread_count, counts, real)
+        elif counts is not None:
+            count_experts(ids, counts, real)
         return TopKOutput(ids, weights, logits)

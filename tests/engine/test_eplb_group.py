@@ -297,7 +297,7 @@ def test_balancedness_after_the_rebalance_reaches_0_9(acceptance: Acceptance) ->
     dispatches cut per pass 2.00 -> 0.77, admission rounds per pass 4.00 -> 2.77. The placement
     is DeepSeek's refined for the routers' spread (`moe/eplb/refine.py`: a rank keeps its tokens
     on its own replicas), and an expert's pairs take its candidates in turn
-    (`Router._spread_ids`). The numbers do not vary from run to run: the greedy outputs (equal
+    (`kernels.replica_spread.spread_ids`). The numbers do not vary from run to run: the greedy outputs (equal
     to transformers'), so the routing, the placement and the routers' spread are deterministic.
 
     Why this workload needs two rebalances and 64 sequences (measured offline from

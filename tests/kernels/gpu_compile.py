@@ -116,6 +116,7 @@ def _launch_everything(capability: int, shared: int) -> None:
     from safeserve.kernels import paged_attention as pa
     from safeserve.kernels import paged_prefill as pp
     from safeserve.kernels import qkv_rope as qr
+    from safeserve.kernels import replica_spread as rs
     from safeserve.kernels import router_topk as rt
     from safeserve.kernels import topk_softmax as tk
     from safeserve.kernels.common import HOPPER_SHARED_BYTES
@@ -304,6 +305,14 @@ def _launch_everything(capability: int, shared: int) -> None:
         ids = torch.zeros(64, k, dtype=ids_dtype)
         ec.count_experts(ids, torch.zeros(e, dtype=torch.int32))
         ec.count_experts(ids, torch.zeros(e, dtype=torch.int32), torch.ones(64, dtype=torch.bool))
+    # redundant experts' spread over replicas: one share and four, counting and not
+    for sources in (1, 4):
+        spread = torch.zeros(sources, e, 3, dtype=torch.int64)
+        count = torch.ones(sources, e, dtype=torch.int64)
+        ids = torch.zeros(64, k, dtype=torch.int64)
+        rs.spread_ids(ids, spread, count)
+        rs.spread_ids(ids, spread, count, torch.zeros(e + 16, dtype=torch.int32),
+                      torch.ones(64, dtype=torch.bool))  # fmt: skip
     w13 = torch.empty(e, 2 * inter, h, dtype=bf16)
     w2 = torch.empty(e, h, inter, dtype=bf16)
     if capability == 90:  # the fused MoE at every entry of every shipped H200 table

@@ -40,6 +40,7 @@ def test_torch_path_counts_routed_choices_of_real_rows() -> None:
         assert torch.equal(out, _want(ids, 12, mask))
 
 
+@pytest.mark.kernel
 @pytest.mark.skipif(not (HAS_CUDA or INTERPRET), reason="needs Triton on a GPU or interpreted")
 @pytest.mark.parametrize(("rows", "k", "slots"), [(1, 8, 144), (64, 8, 144), (3000, 2, 12)])
 def test_interpreter_or_gpu_kernel_equals_the_reference(rows: int, k: int, slots: int) -> None:

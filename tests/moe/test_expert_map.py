@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from safeserve.kernels.replica_spread import spread_ids
 from safeserve.moe.eplb.algorithm import logical_to_physical_map, rebalance_experts
 from safeserve.moe.eplb.recorder import ExpertDistributionRecorder
 from safeserve.moe.expert_map import ExpertMap
@@ -378,7 +379,7 @@ def test_an_experts_pairs_take_its_candidates_in_turn_whatever_their_token_index
     logical = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(12)])
     logical[::2, 0] = 3  # expert 3 at every even index
     logical[::2, 1] = torch.where(logical[::2, 1] == 3, 2, logical[::2, 1])
-    ids = gate._spread_ids(logical)
+    ids = spread_ids(logical, gate.spread, gate.spread_count)
     shares = [range(12)] if source is not None else [range(6), range(6, 12)]
     for s, rows in enumerate(shares):
         rank = source if source is not None else s

@@ -1,9 +1,10 @@
 """How many tokens each physical expert receives, per MoE layer, summed over forward passes.
 
-`record(layer, topk_ids)` adds one layer's routed top-k physical ids to the open pass (a
-scatter-add on the device: no host sync, and safe inside a captured CUDA graph since it writes a
-persistent buffer in place); `end_pass()` closes the pass. Passes closed while `enabled` is False
-(warm-up, graph capture) are dropped. The balancedness of the last 10/100/1000 counted passes is
+`record(layer, topk_ids)` adds one layer's routed top-k physical ids to the open pass (one
+atomic add per choice on the device: no host sync, and safe inside a captured CUDA graph since it
+writes a persistent buffer in place); a MoE layer's router adds them to `pass_row(layer)` itself,
+inside the launch that spreads choices over replicas where there is one; `end_pass()` closes
+the pass. Passes closed while `enabled` is False (warm-up, graph capture) are dropped. The balancedness of the last 10/100/1000 counted passes is
 computed on request from per-rank loads kept on the device, with the formula and windows of
 `balancedness.BalancednessRecorder`.
 
@@ -82,12 +83,17 @@ class ExpertDistributionRecorder:
         to the pass, but for the rows where `real` (bool, one per row of [T, K]) is False."""
         count_experts(topk_ids, self._pass[layer], real)
 
+    def pass_row(self, layer: int) -> torch.Tensor:
+        """The open pass's int32 counts of `layer` per physical slot, for a router that adds its
+        choices itself (`Router.forward(counts=...)`: inside its own launches)."""
+        return self._pass[layer]
+
     def end_pass(self) -> None:
         """Closes the open pass: counted when enabled, dropped otherwise."""
         if self.enabled:
             self._counts += self._pass
-            loads = self._pass.view(self.num_layers, self.num_ranks, self.slots_per_rank).sum(-1)
-            self._rank_loads[self._passes % len(self._rank_loads)].copy_(loads)
+            view = self._pass.view(self.num_layers, self.num_ranks, self.slots_per_rank)
+            torch.sum(view, -1, out=self._rank_loads[self._passes % len(self._rank_loads)])
             self._passes += 1
         self._pass.zero_()
 
