@@ -58,7 +58,12 @@ def family(name: str) -> str:
 
 
 def build_runner(  # type: ignore[no-untyped-def]
-    model: str, max_bs: int, max_len: int, device: str, disable_pdl: bool = False
+    model: str,
+    max_bs: int,
+    max_len: int,
+    device: str,
+    disable_pdl: bool = False,
+    deterministic: bool = False,
 ):
     from safeserve.config import ServerArgs
     from safeserve.engine.model_runner import ModelRunner
@@ -72,6 +77,7 @@ def build_runner(  # type: ignore[no-untyped-def]
         max_running_requests=max_bs,
         cuda_graph_max_bs=max_bs,
         disable_pdl=disable_pdl,
+        enable_deterministic_inference=deterministic,
     )
     return ModelRunner(args)
 
@@ -192,11 +198,18 @@ def main() -> int:
         "default) each kernel's span in the trace includes its wait for the one before, so "
         "per-kernel times are only meaningful with this flag (the step itself is slower)",
     )
+    ap.add_argument(
+        "--enable-deterministic-inference",
+        action="store_true",
+        help="the batch-invariant kernels (serve's flag of that name)",
+    )
     ap.add_argument("--json", default=None)
     ns = ap.parse_args()
     conc = [int(c) for c in ns.concurrency.split(",")]
     length = ns.input_len + 5 + ns.steps + ns.trace_steps + 16
-    runner = build_runner(ns.model, max(conc), length, ns.device, ns.disable_pdl)
+    runner = build_runner(
+        ns.model, max(conc), length, ns.device, ns.disable_pdl, ns.enable_deterministic_inference
+    )
     points = [profile_point(runner, b, ns.input_len, ns.steps, ns.trace_steps) for b in conc]
     name = torch.cuda.get_device_name() if ns.device == "cuda" else "cpu"
     result = {"label": ns.label, "device": name, "disable_pdl": ns.disable_pdl, "points": points}

@@ -63,6 +63,11 @@ def _serve(ns: argparse.Namespace) -> int:
                 f"--kv-cache-dtype {args.kv_cache_dtype}: {cfg.model_type} keeps a latent (MLA) "
                 "cache, which has no FP8 form yet; use --kv-cache-dtype auto"
             )
+        if args.enable_deterministic_inference and kv_spec(cfg, Layout(0, args.tp_size)).v_in_k:
+            raise LayoutError(
+                f"--enable-deterministic-inference: {cfg.model_type} keeps a latent (MLA) cache, "
+                "whose attention kernels are not batch-invariant yet"
+            )
         if args.enable_single_batch_overlap and not cfg.shared_intermediate_size:
             raise LayoutError(
                 f"--enable-single-batch-overlap: {cfg.model_type} has no shared experts to run "

@@ -245,6 +245,15 @@ class ServerArgs:
         "Run every step eagerly, without CUDA graphs (decode and piecewise).",
         "performance",
     )
+    enable_deterministic_inference: bool = _flag(
+        False,
+        "Batch-invariant kernels on CUDA: a request's logits do not depend on what else is in "
+        "the step, on its split between prefill and decode, or on a CUDA graph's padding, and "
+        "a prompt's prefill computes every token as the decode step that produced it did, so a "
+        "migrated request continues exactly. Requests without a seed get one, kept across "
+        "migrations. Groups of one rank; families with grouped-query attention.",
+        "performance",
+    )
     disable_pdl: bool = _flag(
         False,
         "Launch the Triton kernels as ordinary launches, not as programmatic dependent launches "
@@ -454,6 +463,11 @@ class ServerArgs:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive")
         if not self.watchdog_slow_window_s >= 0:
             raise ConfigError("--watchdog-slow-window-s must be >= 0")
+        if self.enable_deterministic_inference and self.tp_size > 1:
+            raise ConfigError(
+                "--enable-deterministic-inference runs groups of one rank for now (--tp-size 1): "
+                "the collectives' reduction order follows the message size"
+            )
         if not self.canary_interval_s >= 0:
             raise ConfigError("--canary-interval-s must be >= 0 (0: off)")
         if not 0 <= self.port <= 65535:

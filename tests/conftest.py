@@ -73,6 +73,17 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
+def batch_invariant_kernels() -> Iterator[None]:
+    """The kernel entry points in batch-invariant mode (--enable-deterministic-inference) for
+    the test, as the model runner sets them."""
+    from safeserve.kernels import common
+
+    common.set_batch_invariant(True)
+    yield
+    common.set_batch_invariant(False)
+
+
+@pytest.fixture
 def one_thread() -> Iterator[None]:
     """torch on one thread for the test: tiny GEMMs on a shared host spend more in OpenMP
     barriers than they split."""

@@ -78,6 +78,15 @@ def test_help_lists_grouped_flags() -> None:
             ["--model", str(MLA_CONFIG), "--load-format", "dummy"] + ["--kv-cache-dtype", "fp8"],
             "--kv-cache-dtype fp8_e4m3: deepseek_v3 keeps a latent (MLA) cache",
         ),
+        (
+            ["--enable-deterministic-inference", "--tp-size", "2"],
+            "--enable-deterministic-inference runs groups of one rank for now",
+        ),
+        (
+            ["--model", str(MLA_CONFIG), "--load-format", "dummy"]
+            + ["--enable-deterministic-inference"],
+            "--enable-deterministic-inference: deepseek_v3 keeps a latent (MLA) cache",
+        ),
     ],
 )
 def test_bad_flags_exit_non_zero_with_one_line(args: list[str], message: str) -> None:

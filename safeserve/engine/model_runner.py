@@ -35,7 +35,7 @@ from safeserve.engine.rank_setup import (
     rank_stats,
 )
 from safeserve.engine.sampler import sample
-from safeserve.kernels.common import set_pdl
+from safeserve.kernels.common import set_batch_invariant, set_pdl
 from safeserve.layers.block_tables import TableUpload
 from safeserve.layers.paged_attention import AttentionMetadata
 from safeserve.messages import GuardSizing, RankStats, SamplingParams, TokenLogprob
@@ -81,6 +81,7 @@ class ModelRunner:
         blocks per EP rank); every reader of the placement on this rank gets it from here."""
         self.args = args
         set_pdl(not args.disable_pdl)  # before any kernel is launched (or captured)
+        set_batch_invariant(args.enable_deterministic_inference)
         self.layout = Layout(rank, args.tp_size, args.ep_size, args.enable_dp_attention)
         self.device = rank_device(args, rank, device_index)
         if self.device.type == "cuda":

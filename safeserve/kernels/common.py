@@ -83,6 +83,23 @@ def set_pdl(enabled: bool) -> None:
     _PDL_ENABLED = enabled
 
 
+# --enable-deterministic-inference: the kernel entry points take their batch-invariant paths (a
+# row's result does not depend on the other rows of its launch, on the launch's size, nor on a
+# CUDA graph's padding): fixed tiles and fixed reduction orders whatever the batch. Set once per
+# process by the model runner, as `set_pdl` is.
+_BATCH_INVARIANT = False
+
+
+def set_batch_invariant(enabled: bool) -> None:
+    """Whether the kernel entry points take their batch-invariant paths."""
+    global _BATCH_INVARIANT
+    _BATCH_INVARIANT = enabled
+
+
+def batch_invariant() -> bool:
+    return _BATCH_INVARIANT
+
+
 @functools.cache
 def _pdl_device(index: int) -> bool:
     major = torch.cuda.get_device_capability(index)[0]

@@ -49,6 +49,7 @@ import torch
 
 from safeserve.kernels.common import (
     HAS_TRITON,
+    batch_invariant,
     next_power_of_2,
     pdl_supported,
     shared_memory_per_program,
@@ -57,7 +58,14 @@ from safeserve.kernels.common import (
     zeroed_counters,
 )
 from safeserve.kernels.moe_align import moe_align
-from safeserve.kernels.moe_config import PAIR_MODES, Config, fit_config, get_config, smem_budget
+from safeserve.kernels.moe_config import (
+    PAIR_MODES,
+    Config,
+    fit_config,
+    get_config,
+    invariant_config,
+    smem_budget,
+)
 from safeserve.kernels.moe_reference import grouped_experts_torch
 
 if HAS_TRITON:
@@ -163,8 +171,12 @@ class MoeLaunch:
         self.dtype, self.device = hidden_states.dtype, hidden_states.device
         self.out = torch.empty(self.num_tokens, self.hidden, dtype=self.dtype, device=self.device)
         if config is None:
-            config = get_config(
-                self.num_tokens, self.num_experts, self.hidden, self.inter, self.top_k
+            config = (
+                invariant_config(self.num_experts, self.hidden, self.inter, self.top_k)
+                if batch_invariant()
+                else get_config(
+                    self.num_tokens, self.num_experts, self.hidden, self.inter, self.top_k
+                )
             )
         budget = smem_budget(shared_memory_per_program(self.device))
         self.cfg = fit_config(config, hidden_states.element_size(), self.top_k, budget)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from safeserve.kernels.common import (
     HAS_TRITON,
+    batch_invariant,
     next_power_of_2,
     pdl_supported,
     pdl_wait,
@@ -246,7 +247,10 @@ def fused_grouped_topk(
     group_size = num_experts // n_group
     g_pad, gs_pad = next_power_of_2(n_group), next_power_of_2(group_size)
     e_pad = g_pad * gs_pad
-    block_t = max(1, min(16, 2048 // e_pad, next_power_of_2(num_tokens)))
+    # batch-invariant mode: one token a program whatever the batch (one reduction layout)
+    block_t = (
+        1 if batch_invariant() else max(1, min(16, 2048 // e_pad, next_power_of_2(num_tokens)))
+    )
     pdl = pdl_supported(device)
     _grouped_topk_kernel[(triton.cdiv(num_tokens, block_t),)](
         logits,

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from safeserve.kernels.common import (
     HAS_TRITON,
+    batch_invariant,
     next_power_of_2,
     pdl_supported,
     pdl_wait,
@@ -56,8 +57,16 @@ def skinny_plan(n: int, k: int, sms: int = 132, elt: int = 2) -> tuple[int, int,
     return max(16, min(block_n, _TILE_BYTES // (block_k * elt))), block_k, split
 
 
+def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear`; in batch-invariant mode `invariant_linear` (a library GEMM's tiles and split
+    follow the batch size)."""
+    return invariant_linear(x, w, bias) if batch_invariant() else F.linear(x, w, bias)
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ w[N, K].T (+ bias [N]) in x's dtype (float32 accumulation)."""
+    if batch_invariant():
+        return invariant_linear(x, w, bias)
     if (
         not use_kernels(x)
         or x.dim() != 2
@@ -75,34 +84,87 @@ def skinny_linear(
     plan: tuple[int, int, int] | None = None,
     num_warps: int = 4,
     num_stages: int = 4,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The kernel, for up to 16 rows; `plan` = (BLOCK_N, BLOCK_K, SPLIT_K) overrides
     `skinny_plan` (benchmarks, tests). A plan whose K slice spans several BLOCK_K tiles loops
     over them after the wait instead of reading its weight first."""
+    if x.shape[0] > _BLOCK_M:
+        raise ValueError(f"skinny_linear takes at most {_BLOCK_M} rows, got {x.shape[0]}")
+    return _launch(x, w, bias, plan, num_warps, num_stages, out)
+
+
+# --enable-deterministic-inference: rows in blocks of this many (one tile shape for every batch);
+# up to INVARIANT_SPLIT_ROWS rows the K slices of a block run on programs of their own (split-K:
+# decode batches), above that, or where a launch's partials would pass _INVARIANT_PART_BYTES (an
+# LM head's), each program sums its tile's slices itself.
+INVARIANT_BLOCK_M = 16
+INVARIANT_SPLIT_ROWS = 64
+_INVARIANT_PART_BYTES = 64 << 20
+
+
+def invariant_linear(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [M, K] @ w[N, K].T (+ bias) for any M with each row's result independent of the batch
+    (--enable-deterministic-inference): rows in blocks of `INVARIANT_BLOCK_M`, and K cut into
+    the slices of the weight's plan (`skinny_plan`) whatever M is, each slice's product summed
+    in slice order. Up to `INVARIANT_SPLIT_ROWS` rows the slices run on programs of their own
+    (split-K, the last one sums them); above (or where the partials would pass
+    `_INVARIANT_PART_BYTES`), each program runs every slice of its tile in turn and sums them
+    the same way, with no partials in memory: the same bits either way. The CPU path is
+    `F.linear`."""
+    if not use_kernels(x) or x.dim() != 2 or w.stride(1) != 1:
+        return F.linear(x, w, bias)
+    n, k = w.shape
+    split = skinny_plan(n, k, _sm_count(x.device), min(x.element_size(), w.element_size()))[2]
+    m = x.shape[0]
+    rows = -(-m // INVARIANT_BLOCK_M) * INVARIANT_BLOCK_M
+    partials = rows * split * n * 4  # the launch's, with the slices split over programs
+    return _launch(
+        x, w, bias, None, 4, 4, None, block_m=INVARIANT_BLOCK_M,
+        in_program=m > INVARIANT_SPLIT_ROWS or partials > _INVARIANT_PART_BYTES,
+    )  # fmt: skip
+
+
+def _launch(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None,
+    plan: tuple[int, int, int] | None,
+    num_warps: int,
+    num_stages: int,
+    out: torch.Tensor | None,
+    block_m: int = _BLOCK_M,
+    in_program: bool = False,
+) -> torch.Tensor:
+    """One launch: row blocks of `block_m` on the grid's second axis; the K slices on programs
+    of their own, or with `in_program` summed inside each program (no partials, no counters)."""
     m, k = x.shape
     n = w.shape[0]
     if w.shape[1] != k:
         raise ValueError(f"weight {tuple(w.shape)} does not take {k} input features")
-    if m > _BLOCK_M:
-        raise ValueError(f"skinny_linear takes at most {_BLOCK_M} rows, got {m}")
     x = x if x.stride(1) == 1 else x.contiguous()
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
     block_n, block_k, split = plan or skinny_plan(
         n, k, _sm_count(x.device), min(x.element_size(), w.element_size())
     )
     tiles = triton.cdiv(n, block_n)
+    row_blocks = triton.cdiv(m, block_m)
     # K per program: a multiple of BLOCK_K, so only the last slice can be ragged.
     k_per = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     split = triton.cdiv(k, k_per)
-    if split > 1:
-        part = torch.empty(m, split, n, dtype=torch.float32, device=x.device)
-        sync = zeroed_counters(x.device, tiles, "skinny_linear")
+    if split > 1 and not in_program:
+        part = torch.empty(row_blocks * block_m, split, n, dtype=torch.float32, device=x.device)
+        sync = zeroed_counters(x.device, tiles * row_blocks, "skinny_linear")
     else:
         part = sync = out  # not read
     pdl = pdl_supported(x.device)
-    _skinny_linear_kernel[(tiles * split,)](
+    _skinny_linear_kernel[(tiles * (1 if in_program else split), row_blocks)](
         x,
         w,
         bias if bias is not None else out,
@@ -116,10 +178,11 @@ def skinny_linear(
         x.stride(0),
         w.stride(0),
         HAS_BIAS=bias is not None,
-        BLOCK_M=_BLOCK_M,
+        BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         SPLIT_K=split,
+        IN_PROGRAM=in_program and split > 1,
         ONE_TILE=k_per <= block_k,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         USE_PDL=pdl,
@@ -223,24 +286,47 @@ if HAS_TRITON:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         SPLIT_K: tl.constexpr,
+        IN_PROGRAM: tl.constexpr,
         ONE_TILE: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
         USE_PDL: tl.constexpr,
     ):
         pid = tl.program_id(0)
-        nb = pid // SPLIT_K
-        kb = pid % SPLIT_K
-        acc = _skinny_partial(
-            x_ptr, w_ptr, m, N, K, k_per, stride_xm, stride_wn, nb, kb,
-            BLOCK_M, BLOCK_N, BLOCK_K, ONE_TILE, DOT_PRECISION, USE_PDL,
-        )  # fmt: skip
+        # IN_PROGRAM: one program per column tile runs its SPLIT_K slices itself
+        nb = pid if IN_PROGRAM else pid // SPLIT_K
+        kb = 0 if IN_PROGRAM else pid % SPLIT_K
+        # row block mb of the launch (one unless `invariant_linear` runs more than 16 rows): its
+        # rows, outputs, partials and counters are the ones of a launch of its own
+        mb = tl.program_id(1)
+        x_ptr += mb * BLOCK_M * stride_xm
+        out_ptr += mb * BLOCK_M * N
+        part_ptr += mb * BLOCK_M * SPLIT_K * N
+        sync_ptr += mb * tl.cdiv(N, BLOCK_N)
+        m = tl.minimum(m - mb * BLOCK_M, BLOCK_M)
+        if IN_PROGRAM:
+            # The slices' products summed in slice order, as the split-K merge below sums them.
+            # The select keeps the compiler from folding `acc + dot(a, b, 0)` into `dot(a, b,
+            # acc)` (the tensor core would then add acc inside the product: other roundings).
+            live = (tl.arange(0, BLOCK_M) < m)[:, None]
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for j in tl.static_range(SPLIT_K):
+                part = _skinny_partial(
+                    x_ptr, w_ptr, m, N, K, k_per, stride_xm, stride_wn, nb, j,
+                    BLOCK_M, BLOCK_N, BLOCK_K, ONE_TILE, DOT_PRECISION, USE_PDL and j == 0,
+                )  # fmt: skip
+                acc += tl.where(live, part, 0.0)
+        else:
+            acc = _skinny_partial(
+                x_ptr, w_ptr, m, N, K, k_per, stride_xm, stride_wn, nb, kb,
+                BLOCK_M, BLOCK_N, BLOCK_K, ONE_TILE, DOT_PRECISION, USE_PDL,
+            )  # fmt: skip
         rows = tl.arange(0, BLOCK_M)
         row_ok = rows < m
         cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < N
         o_ptrs = out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]
         o_mask = row_ok[:, None] & col_ok[None, :]
-        if SPLIT_K == 1:
+        if SPLIT_K == 1 or IN_PROGRAM:
             if HAS_BIAS:
                 acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
             tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask)

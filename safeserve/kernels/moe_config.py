@@ -51,6 +51,23 @@ def default_config(num_tokens: int, num_experts: int, top_k: int) -> Config:
     return {"mode": "sorted", "BLOCK_M": bm, "gemm1": g1, "gemm2": g2}
 
 
+# The token count whose tuned tiles batch-invariant mode uses for every batch: row tiles of 64 in
+# the H200 tables, between a decode batch's (16: more weight reads per prefill token) and a long
+# prefill's (128: more padding per decode step).
+INVARIANT_TOKENS = 512
+
+
+def invariant_config(num_experts: int, hidden: int, inter: int, top_k: int) -> Config:
+    """One config for every token count (--enable-deterministic-inference): the sorted plan
+    (the pair and chunk plans sum a token's slots differently, and the plan follows the count)
+    with the tiles tuned for `INVARIANT_TOKENS` tokens where those are a sorted plan's, else
+    the heuristic's. Every row of a tile is then computed alike whatever else is in it."""
+    cfg = get_config(INVARIANT_TOKENS, num_experts, hidden, inter, top_k)
+    if cfg.get("mode") != "sorted":
+        cfg = default_config(INVARIANT_TOKENS, num_experts, top_k)  # sorted: over 4 tokens
+    return cfg
+
+
 def kcfg(block_n: int, block_k: int, group_m: int, num_warps: int, num_stages: int) -> Config:
     return {
         "BLOCK_N": block_n,

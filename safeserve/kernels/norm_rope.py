@@ -25,6 +25,7 @@ import torch
 
 from safeserve.kernels.common import (
     HAS_TRITON,
+    batch_invariant,
     next_power_of_2,
     pdl_supported,
     pdl_wait,
@@ -164,7 +165,8 @@ def qk_norm_rope_store(
     # Prefill-sized steps: a program per (16 tokens, head), not per (token, head): 2,048 tokens
     # of 40 heads were 81,920 programs of 256 bytes each. Two variants only (both compiled by
     # the start-up captures), so no step of a new size waits for a compile.
-    block_t = QK_BLOCK_TOKENS if num_tokens >= QK_BLOCK_MIN_TOKENS else 1
+    # (one variant in batch-invariant mode: a token's reductions then have one layout)
+    block_t = QK_BLOCK_TOKENS if num_tokens >= QK_BLOCK_MIN_TOKENS and not batch_invariant() else 1
     _qk_norm_rope_store_kernel[(triton.cdiv(num_tokens, block_t), num_heads + 2 * num_kv_heads)](
         qkv,
         q_weight,

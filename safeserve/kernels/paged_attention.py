@@ -24,6 +24,7 @@ import torch
 
 from safeserve.kernels.common import (
     HAS_TRITON,
+    batch_invariant,
     next_power_of_2,
     pdl_supported,
     triton,
@@ -41,6 +42,9 @@ if HAS_TRITON:
 # Tokens one program loads per iteration, and the programs a decode launch aims for (about four
 # per multiprocessor on an H100/H200), which sets how finely a short batch splits its contexts.
 _BLOCK_N = 64
+# --enable-deterministic-inference: every context is cut into splits of this many tokens (whole
+# tiles of _BLOCK_N), whatever the batch and the table's width.
+INVARIANT_SPLIT_TOKENS = 2 * _BLOCK_N
 _TARGET_PROGRAMS = 512
 # Partial-sum elements the merge loads at once ([heads, splits, head dim]): as many splits per
 # pass as fit, so the few splits a context holds are read in one or two passes (one split or
@@ -177,7 +181,12 @@ def paged_decode(
         return out
     q = q if q.stride(2) == 1 else q.contiguous()
     max_context = block_tables.shape[1] * block_size
-    splits = decode_splits(batch, num_kv_heads, max_context)  # the kernel cuts each context
+    if batch_invariant():  # splits of a fixed length: a row's sums follow its context alone
+        split_tokens = INVARIANT_SPLIT_TOKENS
+        splits = max(1, triton.cdiv(max_context, split_tokens))
+    else:
+        split_tokens = 0
+        splits = decode_splits(batch, num_kv_heads, max_context)  # the kernel cuts each context
     d_pad = next_power_of_2(head_dim)
     g_pad = max(16, next_power_of_2(group))  # the decode's row tile (tl.dot takes 16 rows)
     m_pad = next_power_of_2(group)  # the merge's (no tl.dot there)
@@ -212,6 +221,7 @@ def paged_decode(
         out.stride(0),
         out.stride(1),
         splits,
+        split_tokens,
         HEAD_DIM=head_dim,
         D_PAD=d_pad,
         GROUP=group,

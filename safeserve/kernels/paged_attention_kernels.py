@@ -202,6 +202,7 @@ if HAS_TRITON:
         stride_ob,
         stride_oh,
         num_splits,
+        split_tokens,
         HEAD_DIM: tl.constexpr,
         D_PAD: tl.constexpr,
         GROUP: tl.constexpr,
@@ -216,7 +217,8 @@ if HAS_TRITON:
     ):
         """Program (b, kvh, s) attends split s of sequence b's context for kv head kvh's GROUP
         query heads; a context of ctx tokens is cut into splits of cdiv(ctx, num_splits) tokens
-        rounded up to BLOCK_N, so a short context in a wide table still spreads over programs.
+        rounded up to BLOCK_N, so a short context in a wide table still spreads over programs
+        (or of `split_tokens` tokens where that is > 0).
         Where the context spans one split, that program writes the result. Where it spans
         `used` > 1, each of those programs stores its float32 partial (acc [B, Hq, num_splits,
         D_PAD], stats [B, Hq, num_splits, 2] = running max, sum) and bumps the (b, kvh) counter
@@ -236,8 +238,13 @@ if HAS_TRITON:
         # exits at once instead of holding a slot on the GPU through the wait
         ctx = tl.load(ctx_ptr + b)
         # this sequence's own split length: its context over the grid's splits, whole tiles (the
-        # grid is sized for the table's width, which in a CUDA graph is --max-model-len)
-        split_len = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
+        # grid is sized for the table's width, which in a CUDA graph is --max-model-len); or
+        # `split_tokens` (> 0, whole tiles) whatever the grid: a row's splits, so its sums and
+        # their order, then follow its own context alone (batch-invariant)
+        if split_tokens > 0:
+            split_len = split_tokens
+        else:
+            split_len = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
         lo = s * split_len
         hi = tl.minimum(lo + split_len, ctx)
         if lo >= hi and s > 0:

@@ -19,6 +19,7 @@ import torch
 from safeserve.kernels import norm_rope as nr
 from safeserve.kernels.common import (
     HAS_TRITON,
+    batch_invariant,
     pdl_supported,
     tl,
     triton,
@@ -58,6 +59,7 @@ def qkv_norm_rope_store(
     m, k = x.shape if x.dim() == 2 else (0, 0)
     if (
         not use_kernels(x)
+        or batch_invariant()  # the two steps, as every batch size takes them
         or x.dim() != 2
         or not 0 < m <= SKINNY_MAX_ROWS
         or w.stride(1) != 1

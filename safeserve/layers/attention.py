@@ -14,6 +14,7 @@ from torch import nn
 
 from safeserve.kernels import norm_rope as nr
 from safeserve.kernels import paged_attention as pa
+from safeserve.kernels.linear import gemm
 from safeserve.kernels.qkv_rope import qkv_norm_rope_store
 from safeserve.layers.linear import fuse_linears, project
 from safeserve.layers.norm import RMSNorm
@@ -62,7 +63,7 @@ class GQAttention(nn.Module):
 
     def _qkv(self, x: torch.Tensor) -> torch.Tensor:
         if self.qkv_weight is not None:
-            return torch.nn.functional.linear(x, self.qkv_weight, self.qkv_bias)
+            return gemm(x, self.qkv_weight, self.qkv_bias)
         return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
 
     def forward(

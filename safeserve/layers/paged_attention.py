@@ -8,7 +8,9 @@ tokens' keys/values into their slots, then every sequence attends over slots
 `0 .. context_len-1` read back through its block table.
 
 Two paths. On CUDA everything runs Triton kernels straight over the block tables, with no
-per-sequence loop: the sequences that decode one token run the decode kernel
+per-sequence loop (in batch-invariant mode every token, prefill or decode, is a row of the decode
+kernel at its own position, with splits of a fixed length): the sequences that decode one token
+run the decode kernel
 (`safeserve.kernels.paged_attention`, CUDA graph safe: all of a pure decode step, and the
 decoding rows of a mixed step in one launch); the prefill chunks of a step run the prefill kernel
 (`safeserve.kernels.paged_prefill`, one launch for all of them); over a latent cache the MLA
@@ -30,6 +32,7 @@ import torch.nn.functional as F
 from safeserve.kernels import mla_attention as mla
 from safeserve.kernels import paged_attention as pa
 from safeserve.kernels import paged_prefill as pp
+from safeserve.kernels.common import batch_invariant
 from safeserve.kernels.kv_quant import to_cache
 from safeserve.layers.block_tables import TableUpload
 
@@ -100,6 +103,13 @@ class AttentionMetadata:
             return AttentionMetadata.build_decode(
                 context_lens, block_tables, block_size, device, ids, tables
             )
+        if kernels and batch_invariant():
+            # Every token a row of the decode kernel at its own position (its context: the
+            # tokens up to it), so a prompt's prefill computes each token's attention exactly
+            # as the decode step that produced that token did.
+            return AttentionMetadata.build_token_rows(
+                query_lens, context_lens, block_tables, block_size, device
+            )
         seqs: list[SeqAttention] = []
         # host slots (decodes: ints; kernel prefill: CPU tensors), or device slots (torch path)
         slot_chunks: list[torch.Tensor | list[int]] = []
@@ -162,6 +172,47 @@ class AttentionMetadata:
                 config=pp.prefill_config(torch.device(device), max(pre_lens)),
             )
         return meta
+
+    @staticmethod
+    def build_token_rows(
+        query_lens: list[int],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device | str,
+    ) -> AttentionMetadata:
+        """Decode-kernel metadata with one row per token of the step: a sequence's q_len tokens
+        at positions ctx - q_len .. ctx - 1, each row with that sequence's block table and the
+        context up to and including its token."""
+        width = max(((ctx + block_size - 1) // block_size for ctx in context_lens), default=1)
+        per_seq = torch.tensor(
+            [
+                t[: (ctx + block_size - 1) // block_size]
+                + [0] * (width - (ctx + block_size - 1) // block_size)
+                for t, ctx in zip(block_tables, context_lens, strict=True)
+            ],
+            dtype=torch.int32,
+        ).reshape(len(block_tables), width)
+        lens = torch.tensor(query_lens, dtype=torch.int64)
+        rows_ctx = torch.cat(
+            [
+                torch.arange(ctx - n + 1, ctx + 1)
+                for n, ctx in zip(query_lens, context_lens, strict=True)
+            ]
+        )
+        slots = torch.cat(
+            [
+                _slots(t, ctx - n, ctx, block_size)
+                for n, ctx, t in zip(query_lens, context_lens, block_tables, strict=True)
+            ]
+        )
+        return AttentionMetadata(
+            slot_mapping=slots.to(device, non_blocking=True),
+            seqs=[],
+            block_tables=per_seq.repeat_interleave(lens, dim=0).to(device, non_blocking=True),
+            context_lens=rows_ctx.to(torch.int32).to(device, non_blocking=True),
+            block_size=block_size,
+        )
 
     @staticmethod
     def build_decode(

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from safeserve.kernels.linear import gemm
 from safeserve.layers.norm import RMSNorm
 from safeserve.layers.paged_attention import AttentionMetadata
 from safeserve.model.config import ModelConfig
@@ -100,4 +101,4 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return gemm(hidden, self.lm_head.weight, self.lm_head.bias).float()

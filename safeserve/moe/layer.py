@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from safeserve.kernels.linear import gemm
 from safeserve.moe.dispatch.base import Dispatcher, DispatchOutput
 from safeserve.moe.dispatch.local import LocalDispatcher
 from safeserve.moe.eplb.recorder import ExpertDistributionRecorder
@@ -105,7 +106,8 @@ class MoELayer(torch.nn.Module):
         assert shared is not None
         out = shared(hidden_states)
         if self.shared_expert_gate is not None:
-            out = torch.sigmoid(self.shared_expert_gate(hidden_states)) * out
+            gate = self.shared_expert_gate
+            out = torch.sigmoid(gemm(hidden_states, gate.weight, gate.bias)) * out
         return out
 
     def _direct(self, hidden_states: torch.Tensor) -> bool:

@@ -14,10 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
+from safeserve.kernels.common import batch_invariant
 from safeserve.kernels.expert_count import count_experts
 from safeserve.kernels.grouped_topk import fused_grouped_topk, grouped_topk_torch
+from safeserve.kernels.linear import gemm
 from safeserve.kernels.replica_spread import spread_ids
 from safeserve.kernels.topk_softmax import skew_ids, softmax_topk
 
@@ -180,7 +181,7 @@ class Router(torch.nn.Module):
         physical slot) its physical choices are added there, but for the rows where `real` (bool,
         one per token) is False: inside the replica spread's launch where experts have
         replicas."""
-        if hidden_states.is_cuda and self.cfg.plain_softmax:
+        if hidden_states.is_cuda and self.cfg.plain_softmax and not batch_invariant():
             # Triton: the router GEMM (decode-sized batches) and the same float32 top-k math,
             # the weights' cast, the skew and the id mapping, in one launch.
             from safeserve.kernels.router_topk import router_topk
@@ -196,9 +197,9 @@ class Router(torch.nn.Module):
             )
             return self._output(ids, weights, logits, counts, real)
         if self.cfg.logits_fp32:
-            logits = F.linear(hidden_states.float(), self.weight.float())
+            logits = gemm(hidden_states.float(), self.weight.float())
         else:
-            logits = F.linear(hidden_states, self.weight)
+            logits = gemm(hidden_states, self.weight)
         if hidden_states.is_cuda:
             # Triton: the grouped / biased / scaled top-k, the skew and the id mapping.
             cfg = self.cfg

@@ -5,6 +5,7 @@ queued."""
 
 from __future__ import annotations
 
+import secrets
 import uuid
 from typing import Any
 
@@ -85,6 +86,14 @@ def chat_shape(req: P.ChatCompletionRequest) -> AnswerShape:
     )
 
 
+def _seed(state: ServerState, seed: int | None) -> int | None:
+    """The request's seed; with --enable-deterministic-inference one for a request that gave
+    none (drawn here, so a migrated continuation samples as the first group would have)."""
+    if seed is None and state.args.enable_deterministic_inference:
+        return secrets.randbits(63)
+    return seed
+
+
 def start(
     state: ServerState,
     prefix: str,
@@ -125,7 +134,7 @@ def start(
         temperature=req.temperature,
         top_p=req.top_p,
         top_k=top_k,
-        seed=req.seed,
+        seed=_seed(state, req.seed),
         stop_token_ids=list(req.stop_token_ids or []),
         ignore_eos=req.ignore_eos,
         logprobs=shape.top_logprobs,

@@ -106,3 +106,47 @@ def test_gpu_linear_graph_replay_model_shapes(shape, rows) -> None:
         assert ((out.double() - ref).norm() / ref.norm()).item() <= 1e-2
         assert torch.equal(out, lin.skinny_linear(static.clone(), w))
         assert_counters_zero()
+
+
+def _invariance(device, dtype, n, k, batches, monkeypatch=None) -> None:  # type: ignore[no-untyped-def]
+    """Each row of `invariant_linear` equals, bit for bit, the same row computed alone (one
+    row: the K slices on programs of their own) in every other batch, at other positions, over
+    several row blocks (the slices summed inside each program), and with the in-program path
+    forced for small batches too; and stays within 1e-2 / 1e-5 of float64."""
+    gen = torch.Generator().manual_seed(n + k)
+    rows = torch.randn(max(batches), k, generator=gen).to(device, dtype)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(device, dtype)
+    b = torch.randn(n, generator=gen).to(device, dtype)
+    alone = torch.cat([lin.invariant_linear(rows[i : i + 1], w, b) for i in range(len(rows))])
+    ref = F.linear(rows.double(), w.double(), b.double())
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert ((alone.double() - ref).norm() / ref.norm()).item() <= tol
+    for m in batches:
+        order = torch.randperm(len(rows), generator=gen)[:m]  # other rows, other positions
+        got = lin.invariant_linear(rows[order], w, b)
+        assert torch.equal(got, alone[order]), m
+    if monkeypatch is not None:
+        monkeypatch.setattr(lin, "_INVARIANT_PART_BYTES", 0)
+        for m in (1, 3, 20):
+            assert torch.equal(lin.invariant_linear(rows[:m], w, b), alone[:m]), m
+    assert_counters_zero()
+
+
+@interp
+def test_interpreter_invariant_linear_rows_do_not_depend_on_the_batch(monkeypatch) -> None:
+    _invariance("cpu", torch.float32, 70, 600, [1, 5, 17, 64, 65, 130], monkeypatch)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize(
+    "shape", [(5120, 2048), (2048, 4096), (151936, 2048)], ids=["qkv", "o_proj", "lm_head"]
+)
+def test_gpu_invariant_linear_rows_do_not_depend_on_the_batch(shape, monkeypatch) -> None:
+    _invariance("cuda", torch.bfloat16, *shape, [1, 3, 8, 16, 17, 64, 65, 100, 300], monkeypatch)
+
+
+def test_invariant_linear_is_f_linear_off_the_kernel_path() -> None:
+    x, w = torch.randn(20, 8), torch.randn(5, 8)
+    if not INTERPRET:
+        assert torch.equal(lin.invariant_linear(x, w), F.linear(x, w))

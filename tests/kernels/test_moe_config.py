@@ -147,3 +147,13 @@ def test_fit_config_shrinks_for_fp32() -> None:
         per_stage = (128 * k["BLOCK_K"] + n_b * k["BLOCK_K"] * k["BLOCK_N"]) * 4
         assert per_stage * k["num_stages"] <= mc.SMEM_BUDGET
     assert cfg["gemm1"]["num_stages"] == 5  # the input is not modified
+
+
+def test_invariant_config_is_one_sorted_plan_for_every_shape() -> None:
+    """--enable-deterministic-inference: the sorted plan (the only one whose token sums do not
+    change with the count) for every shipped table and for an untuned shape."""
+    for path in sorted(mc.CONFIG_DIR.glob("*_NVIDIA_H200.json")):
+        shape = json.loads(path.read_text())["meta"]["shape"]
+        cfg = mc.invariant_config(shape["E"], shape["H"], shape["I"], shape.get("top_k", 8))
+        assert cfg["mode"] == "sorted", path.name
+    assert mc.invariant_config(6, 40, 24, 2)["mode"] == "sorted"
