@@ -1,5 +1,5 @@
 """Rank processes on this host: `world` spawned processes of one function, each told its rank
-and the group's rendezvous address (a free port of this host), what they report collected, and
+and the group's rendezvous (a file store of its own, or a TCP port), what they report collected, and
 every one of them stopped on the way out, whatever happened.
 
 - `run_ranks(target, world, args)`: each rank runs `target(rank, world, init, *args)`; the
@@ -20,16 +20,17 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue as queue_mod
+import shutil
 import signal
 import sys
+import tempfile
 import time
 import traceback
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
-
-from safeserve.ports import free_port
 
 _POLL_S = 0.2  # how often a waiting `Ranks.get` looks for a rank that died without a word
 
@@ -51,9 +52,20 @@ class _Failed:
     traceback: str
 
 
-def rendezvous(port: int | None = None) -> str:
-    """The `init_method` of a group on this host: `port`, or a free one."""
-    return f"tcp://127.0.0.1:{port if port is not None else free_port()}"
+def rendezvous(port: int | None = None, directory: str | None = None) -> str:
+    """The `init_method` of a group on this host: a TCP store on `port`; else a file store in
+    `directory` (a new temporary one when None). A file needs no port: a free port picked now is
+    only bound when rank 0 has started, seconds later, and another process may take it first
+    (a group's ranks then meet another group's store, or none)."""
+    if port is not None:
+        return f"tcp://127.0.0.1:{port}"
+    directory = directory or tempfile.mkdtemp(prefix="safeserve-rendezvous-")
+    return f"file://{os.path.join(directory, f'store-{uuid.uuid4().hex}')}"
+
+
+def rendezvous_dir(init: str) -> str | None:
+    """The directory of a file-store `init_method` (None for a TCP one)."""
+    return os.path.dirname(init.removeprefix("file://")) if init.startswith("file://") else None
 
 
 class Ranks:
@@ -138,8 +150,8 @@ def spawn_ranks(
     port: int | None = None,
     stop_s: float = 10.0,
 ) -> Iterator[Ranks]:
-    """`world` processes, rank r running target(*args(r, init, queue)) (`init` the rendezvous
-    address, on `port` or a free one; `queue` the one they report to). On leaving, each process
+    """`world` processes, rank r running target(*args(r, init, queue)) (`init` the rendezvous:
+    a TCP store on `port`, else a file store of its own; `queue` the one they report to). On leaving, each process
     gets `stop_s` seconds to end (none when leaving on an exception) and is then killed."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -161,6 +173,8 @@ def spawn_ranks(
         stop(processes, stop_s if ok else 0.0)
         queue.close()
         queue.cancel_join_thread()
+        if port is None and (directory := rendezvous_dir(init)) is not None:
+            shutil.rmtree(directory, ignore_errors=True)
 
 
 def stop(processes: Sequence[mp.process.BaseProcess], grace_s: float) -> None:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import shutil
+import tempfile
 import traceback
 from pathlib import Path
 
 import torch
 
-from safeserve.ports import free_port
-from safeserve.spawn import run_ranks, spawn_ranks
+from safeserve.spawn import rendezvous, run_ranks, spawn_ranks
 
 LAYOUTS = {
     # name: (tp, ep, backend, dp_attention)
@@ -249,32 +250,34 @@ def run_layouts(
     the slow part on CPU): `groups` maps a key to (checkpoint, LAYOUTS name, more ServerArgs
     fields). Per key: ({(seq, position): logits row}, {rank: steps run as two micro-batches},
     the error of a failed rank or None)."""
-    ports: set[int] = set()
-    while len(ports) < len(groups) + 1:
-        ports.add(free_port())
-    first, *rest = sorted(ports)
+    # one file store per group (ports picked ahead would be bound minutes later, and another
+    # process may take one first)
+    store_dir = tempfile.mkdtemp(prefix="safeserve-layouts-")
     runs = [
-        (key, str(model), LAYOUTS[name], f"tcp://127.0.0.1:{port}", kw)
-        for (key, (model, name, kw)), port in zip(groups.items(), rest, strict=True)
+        (key, str(model), LAYOUTS[name], rendezvous(directory=store_dir), kw)
+        for key, (model, name, kw) in groups.items()
     ]
     out: dict = {key: ({}, {}, None) for key in groups}
     pending = sum(LAYOUTS[name][0] for _, name, _ in groups.values())  # a "done" or error a rank
     world = max(LAYOUTS[name][0] for _, name, _ in groups.values())
-    with spawn_ranks(
-        world, _every_group_rank, lambda r, init, q: (r, runs, seqs, chunks, q), port=first
-    ) as ranks:
-        while pending:
-            key, (a, b, c) = ranks.get(timeout=timeout)
-            logits, splits, error = out[key]
-            if a == "error":
-                out[key] = (logits, splits, f"rank {b} failed:\n{c}")
-            elif a == "splits":
-                splits[b] = c
-                continue
-            if a in ("error", "done"):
-                pending -= 1
-                continue
-            logits[(a, b)] = torch.tensor(c)
+    try:
+        with spawn_ranks(
+            world, _every_group_rank, lambda r, init, q: (r, runs, seqs, chunks, q)
+        ) as ranks:
+            while pending:
+                key, (a, b, c) = ranks.get(timeout=timeout)
+                logits, splits, error = out[key]
+                if a == "error":
+                    out[key] = (logits, splits, f"rank {b} failed:\n{c}")
+                elif a == "splits":
+                    splits[b] = c
+                    continue
+                if a in ("error", "done"):
+                    pending -= 1
+                    continue
+                logits[(a, b)] = torch.tensor(c)
+    finally:
+        shutil.rmtree(store_dir, ignore_errors=True)
     return out
 
 

@@ -11,7 +11,7 @@ import time
 import psutil
 import pytest
 
-from safeserve.spawn import RankFailed, run_ranks, spawn_ranks
+from safeserve.spawn import RankFailed, rendezvous_dir, run_ranks, spawn_ranks
 
 
 def _all_reduce(rank: int, world: int, init: str, base: int) -> tuple[int, list[int], int]:
@@ -98,11 +98,13 @@ def test_a_rank_that_dies_without_a_word_is_named_with_how_it_ended(how: str, sa
 def test_spawn_ranks_streams_messages_and_stops_every_process() -> None:
     pids = []
     with spawn_ranks(2, _report_then, lambda r, init, q: (r, q, False)) as ranks:
-        assert ranks.world == 2 and ranks.init.startswith("tcp://127.0.0.1:")
+        assert ranks.world == 2 and ranks.init.startswith("file:///")  # a store of its own
+        store_dir = rendezvous_dir(ranks.init)
         got = [ranks.get(timeout=60) for _ in range(4)]
     pids = [c for kind, _, c in got if kind == "pid"]
     assert sorted((k, r) for k, r, _ in got) == [("done", 0), ("done", 1), ("pid", 0), ("pid", 1)]
     assert _gone(pids)
+    assert store_dir is not None and not os.path.exists(store_dir)  # removed on the way out
 
 
 def test_spawn_ranks_raises_a_ranks_failure_and_kills_the_others() -> None:

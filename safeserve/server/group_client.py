@@ -12,8 +12,8 @@ import enum
 import itertools
 import logging
 import multiprocessing as mp
-import os
 import pickle
+import shutil
 import tempfile
 import time
 import uuid
@@ -42,9 +42,9 @@ from safeserve.messages import (
     Shutdown,
     StepOutputs,
 )
-from safeserve.ports import free_port
 from safeserve.server.metrics import Metrics, count_tbo_steps
 from safeserve.server.nodes import NodeHub, PlacementError, RemoteLink, RemoteRank
+from safeserve.spawn import rendezvous
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +145,8 @@ class GroupClient:
             self._tasks = [asyncio.create_task(self._place(self.hub))]
             return
         ctx = mp.get_context("spawn")
-        init_method = f"tcp://127.0.0.1:{free_port()}"
+        # a file store of this incarnation (no port to race other processes for)
+        init_method = rendezvous(directory=self._ipc_dir)
         for rank in range(self.args.tp_size):
             fail = self.args.fault_fail_start_group == self.group
             p = ctx.Process(
@@ -231,9 +232,7 @@ class GroupClient:
             return
         self._ctx.destroy(linger=0)
         with contextlib.suppress(OSError):
-            for name in ("requests", "outputs", "heartbeats"):
-                os.unlink(os.path.join(self._ipc_dir, name))
-            os.rmdir(self._ipc_dir)
+            shutil.rmtree(self._ipc_dir)  # the sockets' files and the rendezvous store
 
     @property
     def ready(self) -> bool:
