@@ -14,7 +14,10 @@ the tile, so results do not depend on arrival order. One launch, no host synchro
 the decode step at concurrency 1 3.15 ms against 3.42 with the library GEMM (kernels/RESULTS.md).
 
 Entry point: `linear(x, w, bias)` runs the kernel for up to `SKINNY_MAX_ROWS` rows on the kernel
-path and `F.linear` otherwise (and on CPU: the model's CPU path and the test oracle). Up to 8 rows
+path and `F.linear` otherwise (and on CPU: the model's CPU path and the test oracle). With
+--enable-deterministic-inference `linear` and `gemm` run `invariant_linear` for every row count:
+the same kernel over 16-row blocks with the weight's K slices fixed, so a row's result does not
+depend on the batch. Up to 8 rows
 it was faster in the engine; at 16 it was not. `safeserve.kernels.qkv_rope` builds the attention
 block's q|k|v launch on the same program body (`_skinny_partial`, `_arrive`).
 """
@@ -84,15 +87,13 @@ def skinny_linear(
     plan: tuple[int, int, int] | None = None,
     num_warps: int = 4,
     num_stages: int = 4,
-    *,
-    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The kernel, for up to 16 rows; `plan` = (BLOCK_N, BLOCK_K, SPLIT_K) overrides
     `skinny_plan` (benchmarks, tests). A plan whose K slice spans several BLOCK_K tiles loops
     over them after the wait instead of reading its weight first."""
     if x.shape[0] > _BLOCK_M:
         raise ValueError(f"skinny_linear takes at most {_BLOCK_M} rows, got {x.shape[0]}")
-    return _launch(x, w, bias, plan, num_warps, num_stages, out)
+    return _launch(x, w, bias, plan, num_warps, num_stages)
 
 
 # --enable-deterministic-inference: rows in blocks of this many (one tile shape for every batch);
@@ -123,7 +124,7 @@ def invariant_linear(
     rows = -(-m // INVARIANT_BLOCK_M) * INVARIANT_BLOCK_M
     partials = rows * split * n * 4  # the launch's, with the slices split over programs
     return _launch(
-        x, w, bias, None, 4, 4, None, block_m=INVARIANT_BLOCK_M,
+        x, w, bias, None, 4, 4, block_m=INVARIANT_BLOCK_M,
         in_program=m > INVARIANT_SPLIT_ROWS or partials > _INVARIANT_PART_BYTES,
     )  # fmt: skip
 
@@ -135,7 +136,6 @@ def _launch(
     plan: tuple[int, int, int] | None,
     num_warps: int,
     num_stages: int,
-    out: torch.Tensor | None,
     block_m: int = _BLOCK_M,
     in_program: bool = False,
 ) -> torch.Tensor:
@@ -146,8 +146,7 @@ def _launch(
     if w.shape[1] != k:
         raise ValueError(f"weight {tuple(w.shape)} does not take {k} input features")
     x = x if x.stride(1) == 1 else x.contiguous()
-    if out is None:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
     block_n, block_k, split = plan or skinny_plan(
