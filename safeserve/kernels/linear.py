@@ -119,12 +119,12 @@ def invariant_linear(
     if not use_kernels(x) or x.dim() != 2 or w.stride(1) != 1:
         return F.linear(x, w, bias)
     n, k = w.shape
-    split = skinny_plan(n, k, _sm_count(x.device), min(x.element_size(), w.element_size()))[2]
+    plan = skinny_plan(n, k, _sm_count(x.device), min(x.element_size(), w.element_size()))
     m = x.shape[0]
     rows = -(-m // INVARIANT_BLOCK_M) * INVARIANT_BLOCK_M
-    partials = rows * split * n * 4  # the launch's, with the slices split over programs
+    partials = rows * plan[2] * n * 4  # the launch's, with the slices split over programs
     return _launch(
-        x, w, bias, None, 4, 4, block_m=INVARIANT_BLOCK_M,
+        x, w, bias, plan, 4, 4, block_m=INVARIANT_BLOCK_M,
         in_program=m > INVARIANT_SPLIT_ROWS or partials > _INVARIANT_PART_BYTES,
     )  # fmt: skip
 

@@ -5,18 +5,24 @@ from __future__ import annotations
 import pytest
 import torch
 
+from safeserve.kernels.expert_count import count_experts
 from safeserve.moe.eplb.balancedness import layer_balancedness
 from safeserve.moe.eplb.recorder import ExpertDistributionRecorder, physical_to_logical_counts
 
 
+def _route(rec: ExpertDistributionRecorder, layer: int, ids: torch.Tensor) -> None:
+    """Counts `ids` into the open pass as a MoE layer's router does."""
+    count_experts(ids, rec.pass_row(layer))
+
+
 def test_counts_are_a_scatter_add_of_the_routed_ids() -> None:
     rec = ExpertDistributionRecorder(num_layers=2, num_physical_experts=4, slots_per_rank=2)
-    rec.record(0, torch.tensor([[0, 1], [1, 3], [1, -1]]))  # -1: a slot routed nowhere
-    rec.record(1, torch.tensor([[2, 2], [-1, -1]], dtype=torch.int32))
+    _route(rec, 0, torch.tensor([[0, 1], [1, 3], [1, -1]]))  # -1: a slot routed nowhere
+    _route(rec, 1, torch.tensor([[2, 2], [-1, -1]], dtype=torch.int32))
     rec.end_pass()
     assert rec.dump().tolist() == [[1, 3, 0, 1], [0, 0, 2, 0]]
-    rec.record(0, torch.tensor([3, 3]))
-    rec.record(0, torch.tensor([0]))  # a layer recorded twice in a pass adds up
+    _route(rec, 0, torch.tensor([3, 3]))
+    _route(rec, 0, torch.tensor([0]))  # a layer recorded twice in a pass adds up
     rec.end_pass()
     assert rec.passes == 2
     assert rec.dump().tolist() == [[2, 3, 0, 3], [0, 0, 2, 0]]
@@ -24,13 +30,13 @@ def test_counts_are_a_scatter_add_of_the_routed_ids() -> None:
 
 def test_passes_closed_while_disabled_or_discarded_are_not_counted() -> None:
     rec = ExpertDistributionRecorder(1, 2, 1, enabled=False)
-    rec.record(0, torch.tensor([0, 0, 1]))  # warm-up
+    _route(rec, 0, torch.tensor([0, 0, 1]))  # warm-up
     rec.end_pass()
     assert rec.passes == 0 and rec.dump().tolist() == [[0, 0]] and rec.window_means() == {}
     rec.enabled = True
-    rec.record(0, torch.tensor([1]))
+    _route(rec, 0, torch.tensor([1]))
     rec.discard_pass()
-    rec.record(0, torch.tensor([0, 1]))
+    _route(rec, 0, torch.tensor([0, 1]))
     rec.end_pass()
     assert rec.passes == 1 and rec.dump().tolist() == [[1, 1]]
     assert rec.window_means() == {10: 1.0, 100: 1.0, 1000: 1.0}
@@ -39,20 +45,20 @@ def test_passes_closed_while_disabled_or_discarded_are_not_counted() -> None:
 def test_balancedness_is_per_rank_loads_averaged_over_layers() -> None:
     # 4 slots on 2 ranks. Layer 0: rank loads [3, 1]; layer 1: [2, 2].
     rec = ExpertDistributionRecorder(2, 4, 2)
-    rec.record(0, torch.tensor([0, 1, 1, 2]))
-    rec.record(1, torch.tensor([0, 3, 2, 1]))
+    _route(rec, 0, torch.tensor([0, 1, 1, 2]))
+    _route(rec, 1, torch.tensor([0, 3, 2, 1]))
     rec.end_pass()
     expected = (layer_balancedness([3, 1]) + layer_balancedness([2, 2])) / 2
     assert rec.window_means()[10] == pytest.approx(expected)
 
 
 def _one_rank_pass(rec: ExpertDistributionRecorder) -> None:
-    rec.record(0, torch.tensor([0]))  # everything on rank 0 of 2: balancedness ~0.5
+    _route(rec, 0, torch.tensor([0]))  # everything on rank 0 of 2: balancedness ~0.5
     rec.end_pass()
 
 
 def _even_pass(rec: ExpertDistributionRecorder) -> None:
-    rec.record(0, torch.tensor([0, 1]))  # balancedness 1
+    _route(rec, 0, torch.tensor([0, 1]))  # balancedness 1
     rec.end_pass()
 
 
@@ -83,7 +89,7 @@ def test_reset_forgets_every_pass() -> None:
     _one_rank_pass(rec)
     rec.window_means()
     _one_rank_pass(rec)
-    rec.record(0, torch.tensor([1, 1]))  # left open
+    _route(rec, 0, torch.tensor([1, 1]))  # left open
     rec.reset()
     assert rec.passes == 0 and rec.window_means() == {} and rec.dump().tolist() == [[0, 0]]
     _even_pass(rec)

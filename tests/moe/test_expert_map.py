@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from safeserve.kernels.expert_count import count_experts
 from safeserve.kernels.replica_spread import spread_ids
 from safeserve.moe.eplb.algorithm import logical_to_physical_map, rebalance_experts
 from safeserve.moe.eplb.recorder import ExpertDistributionRecorder
@@ -168,7 +169,8 @@ def test_recorder_for_a_map_counts_its_ranks_blocks() -> None:
     m = ExpertMap.trivial(4, ep_size=2, num_layers=1, redundant=2)
     rec = ExpertDistributionRecorder.for_map(m)
     assert (rec.num_layers, rec.num_physical_experts, rec.num_ranks) == (1, 6, 2)
-    rec.record(0, m.send_table(1)[0][torch.tensor([0, 1, 2])])  # rank 1's tokens: slots 4 5 2
+    # rank 1's tokens: slots 4 5 2, counted as its router counts them
+    count_experts(m.send_table(1)[0][torch.tensor([0, 1, 2])], rec.pass_row(0))
     rec.end_pass()
     assert rec.dump().tolist() == [[0, 0, 1, 0, 1, 1]]
 

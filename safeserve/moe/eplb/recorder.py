@@ -1,11 +1,12 @@
 """How many tokens each physical expert receives, per MoE layer, summed over forward passes.
 
-`record(layer, topk_ids)` adds one layer's routed top-k physical ids to the open pass (one
-atomic add per choice on the device: no host sync, and safe inside a captured CUDA graph since it
-writes a persistent buffer in place); a MoE layer's router adds them to `pass_row(layer)` itself,
-inside the launch that spreads choices over replicas where there is one; `end_pass()` closes
-the pass. Passes closed while `enabled` is False (warm-up, graph capture) are dropped. The balancedness of the last 10/100/1000 counted passes is
-computed on request from per-rank loads kept on the device, with the formula and windows of
+A MoE layer's router adds its routed top-k physical ids to `pass_row(layer)`, the open pass's row
+of that layer (one atomic add per choice on the device, inside the launch that spreads choices
+over replicas where there is one: `kernels.replica_spread`, else `kernels.expert_count`; no host
+sync, and safe inside a captured CUDA graph since it writes a persistent buffer in place);
+`end_pass()` closes the pass. Passes closed while `enabled` is False (warm-up, graph capture) are
+dropped. The balancedness of the last 10/100/1000 counted passes is computed on request from
+per-rank loads kept on the device, with the formula and windows of
 `balancedness.BalancednessRecorder`.
 
 A rank counts the ids it records; a group-wide distribution is the sum of its ranks' dumps.
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import torch
 
-from safeserve.kernels.expert_count import count_experts
 from safeserve.moe.eplb.balancedness import WINDOWS, BalancednessRecorder
 from safeserve.moe.expert_map import ExpertMap
 
@@ -78,14 +78,9 @@ class ExpertDistributionRecorder:
         """Counted passes since the last reset."""
         return self._passes
 
-    def record(self, layer: int, topk_ids: torch.Tensor, real: torch.Tensor | None = None) -> None:
-        """Adds one layer's routed physical expert ids ([T, K] or any shape; -1 = not routed)
-        to the pass, but for the rows where `real` (bool, one per row of [T, K]) is False."""
-        count_experts(topk_ids, self._pass[layer], real)
-
     def pass_row(self, layer: int) -> torch.Tensor:
-        """The open pass's int32 counts of `layer` per physical slot, for a router that adds its
-        choices itself (`Router.forward(counts=...)`: inside its own launches)."""
+        """The open pass's int32 counts of `layer` per physical slot, where its router adds its
+        choices (`Router.forward(counts=...)`; -1 ids and padding rows are not counted)."""
         return self._pass[layer]
 
     def end_pass(self) -> None:
