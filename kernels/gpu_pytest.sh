@@ -5,7 +5,10 @@
 # SHARDS=n splits the collected tests round-robin over n pytest processes run side by side (the
 # GPU tests spend most of their time compiling Triton kernels, which is single-threaded per
 # process); each writes LOG.<i>, and the tally covers them all.
+# Every run draws fresh inputs: SAFESERVE_TEST_SEED (tests/seeds.py) defaults to the clock, and
+# the tally line prints it, so a failure reproduces with `SAFESERVE_TEST_SEED=n pytest TEST_ID`.
 set -u
+export SAFESERVE_TEST_SEED=${SAFESERVE_TEST_SEED:-$(date +%s)}
 limit=$1
 log=$2
 shift 2
@@ -55,6 +58,6 @@ note=""
 if [ "$rc" = 124 ]; then
   note=" (cut by the ${limit} s limit: the tests after the last one in the log did not run)"
 fi
-echo "pytest: $passed passed, $skipped skipped, $failed failed$note; log: ${logs[*]}" | tee -a "$log"
+echo "pytest: $passed passed, $skipped skipped, $failed failed$note; seed offset $SAFESERVE_TEST_SEED; log: ${logs[*]}" | tee -a "$log"
 cat "${logs[@]}" | grep -E ' (FAILED|ERROR)' | head -20
 exit 0

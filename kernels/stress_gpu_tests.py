@@ -7,9 +7,11 @@ while (a race, or a check at the edge of its tolerance).
 
 A test id names a test function and its parameters as pytest prints them; the parameters are
 taken from the function's `pytest.mark.parametrize` marks (ids matched as pytest makes them), so
-only the tests' own code runs. Before each repetition `torch.manual_seed(seed)` seeds the CPU and
-CUDA generators (tests that draw with `torch.randint`/`randn` then draw that seed's inputs; tests
-that seed their own generators repeat theirs). One JSON line per failure and a summary line.
+only the tests' own code runs. Before each repetition the tests' seed offset (`tests/seeds.py`,
+what `SAFESERVE_TEST_SEED` sets for a pytest run) becomes the repetition's seed, and
+`torch.manual_seed(seed)` seeds the global CPU and CUDA generators, so every repetition draws
+inputs of its own. A failure reproduces under pytest with `SAFESERVE_TEST_SEED=<seed>`. One JSON
+line per failure and a summary line.
 Run several processes at once to add the load of a sharded suite.
 """
 
@@ -90,6 +92,8 @@ def main() -> None:
         if not matched:
             raise SystemExit(f"{test}: no parametrization named {params!r}")
         runs.append((test, fn, matched[0]))
+    import seeds  # tests/seeds.py, on the path once a test module is loaded
+
     start = time.monotonic()
     failures: dict[str, list[int]] = {t: [] for t, _, _ in runs}
     done = 0
@@ -98,6 +102,7 @@ def main() -> None:
             break
         seed = ns.first_seed + rep
         for test, fn, kwargs in runs:
+            seeds.OFFSET = seed
             torch.manual_seed(seed)
             try:
                 fn(**kwargs)

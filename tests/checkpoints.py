@@ -59,6 +59,7 @@ def write_checkpoint(
     separated; `init(model)` may then adjust them (e.g. non-zero biases)."""
     import torch
     import transformers
+    from seeds import seed_all
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -70,7 +71,7 @@ def write_checkpoint(
     )
     full.update(params)
     config = getattr(transformers, f"{family}Config")(**full)
-    torch.manual_seed(seed)
+    seed_all(seed)
     model = getattr(transformers, f"{family}ForCausalLM")(config)
     with torch.no_grad():
         for name, p in model.named_parameters():

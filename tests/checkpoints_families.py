@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from checkpoints import write_checkpoint
+from seeds import seeded
 
 
 def write_mixtral_checkpoint(
@@ -36,7 +37,7 @@ def _qkv_biases(model: Any) -> None:
     model has not) shows in the logits."""
     import torch
 
-    gen = torch.Generator().manual_seed(7)
+    gen = seeded(7)
     for name, p in model.named_parameters():
         if name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):
             p.copy_(torch.randn(p.shape, generator=gen) * 0.3)

@@ -25,6 +25,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+def pytest_report_header(config: pytest.Config) -> str:
+    from seeds import OFFSET
+
+    return f"test seed offset: {OFFSET} (SAFESERVE_TEST_SEED; 0 when unset)"
+
+
 _passed = 0  # tests passed in this session, for --min-passed
 
 

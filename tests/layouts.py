@@ -9,6 +9,7 @@ import traceback
 from pathlib import Path
 
 import torch
+from seeds import seeded
 
 from safeserve.spawn import rendezvous, run_ranks, spawn_ranks
 
@@ -176,7 +177,7 @@ def layout_reference(checkpoint: Path) -> tuple[list[list[int]], dict[int, torch
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    gen = torch.Generator().manual_seed(5)
+    gen = seeded(5)
     seqs = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (14, 9, 20)]
     with torch.no_grad():
         ref = {i: hf(torch.tensor([s])).logits[0] for i, s in enumerate(seqs)}
@@ -298,7 +299,7 @@ def _dispatch_rank_main(rank: int, world: int, init: str) -> dict:
     d = AllToAllDispatcher(placement, comm)
 
     def routed(tokens: int, seed: int) -> tuple[torch.Tensor, TopKOutput]:
-        gen = torch.Generator().manual_seed(seed)
+        gen = seeded(seed)
         x = torch.randn(tokens, hidden, generator=gen)
         ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
         w = torch.rand(tokens, top_k, generator=gen)

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from seeds import seeded
 
 # A prefill in uneven chunks, then single-token decode steps, through scattered blocks.
 CHUNKS = [7, 12] + [1] * 10
@@ -65,7 +66,7 @@ def paged_logits_match_transformers(ckpt: Path, n: int = 29, reference: Path | N
     try:
         net = load_ours(ckpt)
         hf = AutoModelForCausalLM.from_pretrained(reference or ckpt, dtype=torch.float32).eval()
-        gen = torch.Generator().manual_seed(1)
+        gen = seeded(1)
         ids = torch.randint(0, net.config.vocab_size, (n,), generator=gen).tolist()
         with torch.no_grad():
             ref = hf(torch.tensor([ids])).logits[0]

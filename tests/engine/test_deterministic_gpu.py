@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from seeds import seeded
 
 from safeserve.config import ServerArgs
 from safeserve.engine.plan import SeqPlan, StepPlan
@@ -104,7 +105,7 @@ def _step(runner, work: list[tuple[Seq, int]]) -> None:  # type: ignore[no-untyp
 
 
 def _prompts(seed: int) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded(seed)
     return [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (1, 9, 40, 17, 5)]
 
 

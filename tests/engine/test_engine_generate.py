@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from seeds import seeded
 from transformers import AutoModelForCausalLM
 
 from safeserve.config import ServerArgs
@@ -84,7 +85,7 @@ def _check_greedy(checkpoint: Path, hf, blocks, chunk, max_running, **kw) -> Eng
         **kw,
     )
     engine = Engine(args)
-    gen = torch.Generator().manual_seed(7)
+    gen = seeded(7)
     prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (3, 17, 9, 1, 12)]
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, SamplingParams(max_tokens=20, temperature=0.0))

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from seeds import seeded
 from serving import free_port
 from transformers import AutoModelForCausalLM
 
@@ -26,7 +27,7 @@ def hf(checkpoint: Path):
 
 
 def _prompts() -> list[list[int]]:
-    gen = torch.Generator().manual_seed(7)
+    gen = seeded(7)
     return [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (3, 17, 9, 1, 12)]
 
 

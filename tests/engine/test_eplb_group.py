@@ -17,6 +17,7 @@ import pytest
 import torch
 from checkpoints import greedy_continuations, skew_router, write_qwen3_moe_checkpoint
 from layouts import layout_server_args
+from seeds import seeded
 
 from safeserve.messages import SamplingParams
 from safeserve.spawn import run_ranks
@@ -39,7 +40,7 @@ def skewed(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _prompts(lengths: tuple[int, ...] = PROMPT_LENGTHS) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(11)
+    gen = seeded(11)
     return [torch.randint(0, 300, (n,), generator=gen).tolist() for n in lengths]
 
 

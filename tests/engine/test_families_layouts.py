@@ -12,6 +12,7 @@ import pytest
 import torch
 from checkpoints_families import write_mixtral_checkpoint, write_qwen2_moe_checkpoint
 from layouts import LAYOUTS, assert_rows_match, run_layouts
+from seeds import seeded
 from transformers import AutoModelForCausalLM
 
 FAMILIES = {"mixtral": write_mixtral_checkpoint, "qwen2_moe": write_qwen2_moe_checkpoint}
@@ -22,7 +23,7 @@ CHUNKS = [5, 6, 1, 1, 3, 1, 1, 1, 1]  # chunked prefill, then decode steps
 def results(tmp_path_factory: pytest.TempPathFactory):
     """{(family, layout): ({(seq, position): logits row}, splits, error or None)}, the
     sequences and transformers' logits by family."""
-    gen = torch.Generator().manual_seed(5)
+    gen = seeded(5)
     # Three sequences of different lengths: with 4 attention ranks one rank has none.
     seqs = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (14, 9, 20)]
     ckpts, ref = {}, {}

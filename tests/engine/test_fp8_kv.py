@@ -19,6 +19,7 @@ import torch
 from layouts import CHUNKS as LAYOUT_CHUNKS
 from layouts import run_layout
 from model_checks import CHUNKS, TABLE, load_ours, paged_logits
+from seeds import seeded
 from serving import free_port
 
 from safeserve.config import ServerArgs
@@ -67,7 +68,7 @@ def fake_quant_hf(checkpoint: Path) -> Iterator:
 
 
 def _ids(n: int, seed: int) -> list[int]:
-    return torch.randint(0, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return torch.randint(0, 300, (n,), generator=seeded(seed)).tolist()
 
 
 def test_fp8_cache_logits_against_float32_and_rounded_references(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from seeds import seeded
 
 from safeserve.engine.cuda_graph import (
     begin_bucket_step,
@@ -60,7 +61,7 @@ def _stats(d: AllGatherDispatcher) -> tuple:
 
 
 def test_replayed_tape_records_what_an_eager_step_records() -> None:
-    gen = torch.Generator().manual_seed(3)
+    gen = seeded(3)
     x = torch.randn(TOKENS, HIDDEN, generator=gen)
     ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOP_K] for _ in range(TOKENS)])
     topk = TopKOutput(ids, torch.rand(TOKENS, TOP_K, generator=gen), None)

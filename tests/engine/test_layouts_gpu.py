@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from layouts import LAYOUTS, run_layout
+from seeds import seeded
 from serving import free_port
 from transformers import AutoModelForCausalLM
 
@@ -20,7 +21,7 @@ def test_layout_logits_on_gpus(checkpoint: Path, name: str) -> None:
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    gen = torch.Generator().manual_seed(9)
+    gen = seeded(9)
     seqs = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (11, 6, 15)]
     with torch.no_grad():
         ref = {i: hf(torch.tensor([s])).logits[0] for i, s in enumerate(seqs)}

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import torch
+from seeds import seeded
 
 from safeserve.engine.sampler import sample
 from safeserve.messages import SamplingParams
@@ -30,7 +31,7 @@ def test_seed_and_position_determine_the_draw() -> None:
 
 
 def test_tiny_temperature_is_greedy_and_equals_temperature_zero() -> None:
-    gen = torch.Generator().manual_seed(3)
+    gen = seeded(3)
     logits = torch.randn(4, 50, generator=gen) * 10
     greedy = sample(logits, [SamplingParams(temperature=0.0)] * 4, [0] * 4)
     for t in (1e-300, 1e-6, 0.0):
@@ -48,7 +49,7 @@ def _mixed_params() -> list[SamplingParams]:
 
 
 def test_a_non_finite_row_fails_alone() -> None:
-    gen = torch.Generator().manual_seed(4)
+    gen = seeded(4)
     logits = torch.randn(4, 64, generator=gen)
     params = _mixed_params()
     clean = sample(logits, params, [1, 2, 3, 4])
@@ -70,7 +71,7 @@ def test_a_non_finite_row_fails_alone() -> None:
 
 
 def test_nan_temperature_fails_its_row_only() -> None:
-    logits = torch.randn(2, 16, generator=torch.Generator().manual_seed(0))
+    logits = torch.randn(2, 16, generator=seeded(0))
     got = sample(
         logits,
         [SamplingParams(temperature=float("nan"), seed=1), SamplingParams(temperature=0)],
@@ -81,7 +82,7 @@ def test_nan_temperature_fails_its_row_only() -> None:
 
 
 def test_edge_values_are_handled() -> None:
-    gen = torch.Generator().manual_seed(9)
+    gen = seeded(9)
     logits = torch.randn(1, 32, generator=gen)
     best = int(torch.argmax(logits))
     cases = [

@@ -21,6 +21,7 @@ from checkpoints import write_qwen3_moe_checkpoint
 from checkpoints_deepseek_v3 import write_deepseek_v3_checkpoint
 from checkpoints_families import write_qwen2_moe_checkpoint
 from layouts import LAYOUTS, assert_rows_match, run_layouts
+from seeds import seeded
 from transformers import AutoModelForCausalLM
 
 from safeserve.engine.overlap import decide_split
@@ -55,7 +56,7 @@ def _server_kw(family: str, sbo_only: bool = False) -> dict:
 def results(tmp_path_factory: pytest.TempPathFactory):
     """{(family, layout): ({(seq, position): logits row}, {rank: split steps}, error)}, the
     sequences and transformers' logits by family."""
-    gen = torch.Generator().manual_seed(5)
+    gen = seeded(5)
     seqs = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (14, 9, 20)]
     ckpts, ref = {}, {}
     for family, write in FAMILIES.items():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from seeds import seeded
 
 from safeserve.config import ServerArgs
 from safeserve.engine.plan import SeqPlan, StepPlan
@@ -49,7 +50,7 @@ def _runner(  # type: ignore[no-untyped-def]
 def _logits_trace(runner) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
     """Three requests of different prompt lengths, prefilled together, then 12 steps: decodes,
     except step 8, where request 1 computes a chunk of 3 tokens (a mixed step)."""
-    gen = torch.Generator().manual_seed(4)
+    gen = seeded(4)
     prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (9, 1, 17)]
     tables = [
         [3, 7, 1, 12, 40, 41, 42, 43],
@@ -133,7 +134,7 @@ def test_graph_greedy_tokens_match_cpu_float32() -> None:
     """`execute` samples from the argmax the decode graph computes: the same tokens as on CPU."""
     cpu = _runner("cpu", False, "float32", None)
     cuda = _runner("cuda", True, "float32", cpu.model)
-    gen = torch.Generator().manual_seed(7)
+    gen = seeded(7)
     prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (5, 11)]
     tables = [[4, 9, 2, 11, 30, 31, 32], [13, 0, 6, 20, 21, 22, 23]]
     outs = []
@@ -220,7 +221,7 @@ def test_warm_up_builds_every_kernel_variant_later_requests_use() -> None:
     assert sum(map(len, built.values())) > 0
     # Lengths the warm-up did not use, together: mixed prefill + decode steps of many sizes,
     # and a prompt longer than one step (chunked).
-    gen = torch.Generator().manual_seed(3)
+    gen = seeded(3)
     for i, n in enumerate((5, 47, 100, 300, 511, 700)):
         prompt = torch.randint(0, 256, (n,), generator=gen).tolist()
         engine.add_request(str(i), prompt, SamplingParams(max_tokens=6, temperature=0.0))

@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from seeds import seeded
 
 from safeserve.kernels import expert_count as ec
 
@@ -15,7 +16,7 @@ INTERPRET = ec.HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _case(device: str, rows: int, k: int, slots: int, seed: int):  # type: ignore[no-untyped-def]
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded(seed)
     ids = torch.randint(-1, slots, (rows, k), generator=gen)
     real = torch.rand(rows + 3, generator=gen) > 0.3  # longer than the rows, as a bucket's
     return ids.to(device), real.to(device)

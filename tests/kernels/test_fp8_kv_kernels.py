@@ -16,6 +16,7 @@ import os
 
 import pytest
 import torch
+from seeds import seeded
 
 from safeserve.kernels import norm_rope as nr
 from safeserve.kernels import paged_attention as pa
@@ -70,7 +71,7 @@ def test_to_cache_clamps_rounds_and_keeps_other_dtypes() -> None:
 
 @needs_kernel
 def test_fp8_store_kernel_matches_torch_quantization() -> None:
-    gen = torch.Generator().manual_seed(3)
+    gen = seeded(3)
     k = _wide((7, 4, 96), gen).to(DEVICE)
     v = _wide((7, 4, 96), gen).to(DEVICE)
     slots = torch.tensor([12, -1, 0, 33, -1, 7, 50], device=DEVICE)
@@ -90,7 +91,7 @@ def test_fp8_store_kernel_matches_torch_quantization() -> None:
 def test_fp8_norm_rope_store_kernel_matches_torch_quantization(tokens: int) -> None:
     """The fused q/k norm + RoPE + store (the model's store on the kernel path) into FP8
     caches: v exactly as torch quantizes it, k within one e4m3 step of torch's quantized k."""
-    gen = torch.Generator().manual_seed(tokens)
+    gen = seeded(tokens)
     hq, hkv, d = 4, 2, 16
     qkv = 4 * torch.randn(tokens, (hq + 2 * hkv) * d, generator=gen)
     qw, kw = 1 + 0.3 * torch.randn(d, generator=gen), 1 + 0.3 * torch.randn(d, generator=gen)
@@ -137,7 +138,7 @@ def test_fp8_decode_kernel_matches_dequantizing_reference(case: int, dtype: torc
     ctxs, hq, hkv, d, bs = DECODE_CASES[case]
     if not HAS_CUDA and dtype == torch.bfloat16:
         pytest.skip("Triton 3.6's interpreter mis-computes bf16 tl.dot (checked on the GPU)")
-    gen = torch.Generator().manual_seed(case + 5)
+    gen = seeded(case + 5)
     widths = [max(1, -(-c // bs)) for c in ctxs]
     num_blocks = sum(widths) + 2
     perm = torch.randperm(num_blocks, generator=gen).tolist()
@@ -177,7 +178,7 @@ def test_fp8_prefill_kernel_matches_dequantizing_reference(case: int, dtype: tor
     q_lens, ctxs, hq, hkv, d, bs = PREFILL_CASES[case]
     if not HAS_CUDA and dtype == torch.bfloat16:
         pytest.skip("Triton 3.6's interpreter mis-computes bf16 tl.dot (checked on the GPU)")
-    gen = torch.Generator().manual_seed(case + 50)
+    gen = seeded(case + 50)
     widths = [-(-c // bs) for c in ctxs]
     num_blocks = sum(widths) + 3
     perm = torch.randperm(num_blocks, generator=gen).tolist()

@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 from counters import assert_counters_zero
+from seeds import seeded
 
 from safeserve.kernels import fused_moe as fm
 from safeserve.kernels import moe_config as mc
@@ -44,7 +45,7 @@ def _problem(
     seed: int,
     drop: float = 0.0,
 ) -> tuple[torch.Tensor, ...]:
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded(seed)
     x = torch.randn(num_tokens, hidden, generator=gen).to(device, dtype)
     w13, w2 = _weights(num_experts, hidden, inter, dtype, device)
     weights, ids = _routing(num_tokens, num_experts, top_k, drop, gen, device)
@@ -61,7 +62,7 @@ WEIGHT_SEED = int(torch.randint(0, 2**31 - 1, (1,)))
 def _weights(
     num_experts: int, hidden: int, inter: int, dtype: torch.dtype, device: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(WEIGHT_SEED + 7919 * num_experts + 31 * hidden + inter)
+    gen = seeded(WEIGHT_SEED + 7919 * num_experts + 31 * hidden + inter)
     w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden**0.5
     w2 = torch.randn(num_experts, hidden, inter, generator=gen) / inter**0.5
     return w13.to(device, dtype), w2.to(device, dtype)
@@ -374,7 +375,7 @@ def test_gpu_invariant_rows_do_not_depend_on_the_batch(batch_invariant_kernels: 
         [fm.fused_moe(x[i : i + 1], w13, w2, weights[i : i + 1], ids[i : i + 1]) for i in range(20)]
     )
     assert _rel_err(alone, _reference(x[:20], w13, w2, weights[:20], ids[:20])) <= 1e-2
-    gen = torch.Generator().manual_seed(1)
+    gen = seeded(1)
     for m in (2, 8, 64, 300):
         order = torch.cat([torch.arange(20), 20 + torch.randperm(280, generator=gen)])[:m]
         order = order[torch.randperm(m, generator=gen)].cuda()

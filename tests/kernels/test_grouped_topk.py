@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 
 import pytest
 import torch
+from seeds import seeded
 
 from safeserve.kernels import grouped_topk as gt
 from safeserve.moe import topk as moe_topk
@@ -66,7 +67,7 @@ def _inputs(
     tokens: int, r: Routing, dtype: torch.dtype, seed: int, bias_scale: float = 0.1
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logits [tokens, E] in `dtype` and a float32 bias (or None), with no near ties."""
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded(seed)
     bias = (torch.randn(r.experts, generator=gen) * bias_scale) if r.bias else None
     logits = torch.randn(tokens, r.experts, generator=gen).to(dtype)
     for _ in range(100):
@@ -131,7 +132,7 @@ def _shape_id(s: tuple[int, int, int, int]) -> str:
 def test_entry_point_runs_the_reference_where_kernels_do_not_apply() -> None:
     r = Routing(72, 6, n_group=8, topk_group=4)
     logits, bias = _inputs(9, r, torch.float32, 1)
-    emap = torch.randperm(72, generator=torch.Generator().manual_seed(2))
+    emap = torch.randperm(72, generator=seeded(2))
     skew = torch.full((1,), -1, dtype=torch.int64)
     w, ids = gt.fused_grouped_topk(logits, *r.args(), bias, 2.5, torch.bfloat16, emap, skew)
     ref_w, ref_ids = gt.grouped_topk_torch(logits, *r.args(), bias, 2.5, torch.bfloat16)
@@ -183,7 +184,7 @@ def test_unknown_scoring_is_refused() -> None:
 @pytest.mark.parametrize("shape", SHAPES, ids=_shape_id)
 def test_interpreter_grouped_topk(shape, scoring: str) -> None:
     experts, top_k, n_group, topk_group = shape
-    emap = torch.randperm(experts, generator=torch.Generator().manual_seed(experts))
+    emap = torch.randperm(experts, generator=seeded(experts))
     seed = 0
     for tokens in (1, 3, 17):
         for bias in (True, False):
@@ -199,7 +200,7 @@ def test_interpreter_grouped_topk(shape, scoring: str) -> None:
 def test_interpreter_grouped_topk_bf16(shape) -> None:
     """bf16 logits (many exact duplicates: redrawn where they tie at a boundary), bf16 weights."""
     r = Routing(*shape[:2], n_group=shape[2], topk_group=shape[3])
-    emap = torch.randperm(r.experts, generator=torch.Generator().manual_seed(5))
+    emap = torch.randperm(r.experts, generator=seeded(5))
     for tokens, bias in ((1, True), (17, True), (17, False)):
         logits, b = _inputs(tokens, replace(r, bias=bias), torch.bfloat16, tokens)
         _check(logits, replace(r, bias=bias), b, torch.bfloat16, emap)
@@ -263,7 +264,7 @@ def _skew_check(device: str, dtype: torch.dtype) -> None:
     r = Routing(72, 6, n_group=8, topk_group=4)
     logits, bias = _inputs(17, r, dtype, 10)
     logits, bias = logits.to(device), bias.to(device)
-    emap = torch.randperm(72, generator=torch.Generator().manual_seed(11)).to(device)
+    emap = torch.randperm(72, generator=seeded(11)).to(device)
     skew = torch.full((1,), -1, dtype=torch.int64, device=device)
     args = (logits, *r.args(), bias, 2.5, dtype, emap)
     plain = gt.fused_grouped_topk(*args)
@@ -306,7 +307,7 @@ def test_gpu_grouped_topk(name: str, tokens: int, dtype: torch.dtype) -> None:
     r = GPU_ROUTINGS[name]
     seed = int(torch.randint(0, 2**31 - 1, (1,)))  # fresh inputs every run
     logits, bias = _inputs(tokens, r, dtype, seed)
-    emap = torch.randperm(r.experts, generator=torch.Generator().manual_seed(seed)).cuda()
+    emap = torch.randperm(r.experts, generator=seeded(seed)).cuda()
     bias = None if bias is None else bias.cuda()
     for weights_dtype, m in ((torch.bfloat16, emap), (torch.float32, None)):
         _check(logits.cuda(), r, bias, weights_dtype, m)
@@ -332,7 +333,7 @@ def test_gpu_grouped_topk_graph_replay(tokens: int) -> None:
     r = GPU_ROUTINGS["deepseek_v3"]
     logits, bias = _inputs(tokens, r, torch.float32, 12)
     static, bias = logits.cuda(), bias.cuda()
-    emap = torch.randperm(256, generator=torch.Generator().manual_seed(13)).cuda()
+    emap = torch.randperm(256, generator=seeded(13)).cuda()
     skew = torch.full((1,), -1, dtype=torch.int64, device="cuda")
     args = (*r.args(), bias, r.scaling, torch.bfloat16, emap, skew)
     gt.fused_grouped_topk(static, *args)  # compile outside the capture
@@ -351,7 +352,7 @@ def test_gpu_grouped_topk_graph_replay(tokens: int) -> None:
 
 
 def _router(cfg: RouterConfig, device: str) -> Router:
-    gen = torch.Generator().manual_seed(17)
+    gen = seeded(17)
     router = Router(32, 64, cfg)
     router.reset_buffers("cpu")
     router.weight.copy_(torch.randn(64, 32, generator=gen))
@@ -383,7 +384,7 @@ def test_gpu_router_takes_the_grouped_kernel(cfg: RouterConfig, monkeypatch) -> 
 
     monkeypatch.setattr(moe_topk, "fused_grouped_topk", spy)
     cpu, gpu = _router(cfg, "cpu"), _router(cfg, "cuda")
-    x = torch.randn(9, 32, generator=torch.Generator().manual_seed(18))
+    x = torch.randn(9, 32, generator=seeded(18))
     got = gpu(x.cuda())
     assert len(calls) == 1 and calls[0]["skew"] is gpu.skew
     assert got.topk_ids.dtype == torch.int64 and got.topk_weights.dtype == x.dtype

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from counters import assert_counters_zero
+from seeds import seeded
 
 from safeserve.kernels import linear as lin
 
@@ -30,7 +31,7 @@ CASES = [
 
 
 def _check(rows, n, k, bias, plan, device, dtype, tol, seed=0) -> None:
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded(seed)
     x = torch.randn(rows, k, generator=gen).to(device, dtype)
     w = (torch.randn(n, k, generator=gen) / k**0.5).to(device, dtype)
     b = torch.randn(n, generator=gen).to(device, dtype) if bias else None
@@ -113,7 +114,7 @@ def _invariance(device, dtype, n, k, batches, monkeypatch=None) -> None:  # type
     row: the K slices on programs of their own) in every other batch, at other positions, over
     several row blocks (the slices summed inside each program), and with the in-program path
     forced for small batches too; and stays within 1e-2 / 1e-5 of float64."""
-    gen = torch.Generator().manual_seed(n + k)
+    gen = seeded(n + k)
     rows = torch.randn(max(batches), k, generator=gen).to(device, dtype)
     w = (torch.randn(n, k, generator=gen) / k**0.5).to(device, dtype)
     b = torch.randn(n, generator=gen).to(device, dtype)

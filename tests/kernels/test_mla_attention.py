@@ -10,6 +10,7 @@ import os
 
 import pytest
 import torch
+from seeds import seeded
 
 from safeserve.kernels import mla_attention as mla
 from safeserve.kernels.common import HAS_TRITON
@@ -64,7 +65,7 @@ def _padded(tables: list[list[int]], device: str) -> torch.Tensor:
 
 def _decode_problem(ctxs, heads, dk, bs, dtype, device, seed):  # type: ignore[no-untyped-def]
     """Random q [B, H, Dk], a random cache (every slot filled), tables, context lengths."""
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded(seed)
     tables, num_blocks = _tables(ctxs, bs, gen)
     cache = torch.randn(num_blocks * bs, 1, dk, generator=gen).to(device, dtype)
     q = torch.randn(len(ctxs), heads, dk, generator=gen).to(device, dtype)
@@ -73,7 +74,7 @@ def _decode_problem(ctxs, heads, dk, bs, dtype, device, seed):  # type: ignore[n
 
 
 def _prefill_problem(q_lens, ctxs, heads, dk, bs, dtype, device, seed):  # type: ignore[no-untyped-def]
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded(seed)
     tables, num_blocks = _tables(ctxs, bs, gen)
     cache = torch.randn(num_blocks * bs, 1, dk, generator=gen).to(device, dtype)
     q = torch.randn(sum(q_lens), heads, dk, generator=gen).to(device, dtype)
@@ -264,7 +265,7 @@ def test_mla_decode_kernel_in_cuda_graph(ctxs: list[int], width: int | None) -> 
     with torch.cuda.graph(graph):
         mla.mla_decode(q, cache, bt, ctx, bs, 0.1, dv, out=out)
     for seed in range(4):
-        gen = torch.Generator().manual_seed(100 + seed)
+        gen = seeded(100 + seed)
         q.copy_(torch.randn(q.shape, generator=gen))
         cache.copy_(torch.randn(cache.shape, generator=gen))
         new = torch.randint(0, most + 1, (len(ctxs),), generator=gen).to(torch.int32)
@@ -290,7 +291,7 @@ def test_mla_decode_kernel_in_cuda_graph(ctxs: list[int], width: int | None) -> 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_mla_decode_kernel_long_contexts_on_gpu(batch: int, dtype: torch.dtype) -> None:
     """The benchmark's shapes (16 heads of 576 / 512) at 4,096 tokens of context and beyond."""
-    gen = torch.Generator().manual_seed(batch)
+    gen = seeded(batch)
     ctxs = torch.randint(1, 6000, (batch,), generator=gen).tolist()
     ctxs[0] = 4096
     q, cache, bt, ctx, _ = _decode_problem(ctxs, 16, 576, 64, dtype, "cuda", seed=batch)

@@ -10,6 +10,7 @@ import os
 
 import pytest
 import torch
+from seeds import seeded
 
 from safeserve.kernels import mla_prepare as mp
 from safeserve.kernels.common import HAS_TRITON
@@ -55,7 +56,7 @@ def test_interpreter_latent_store_matches_reference(
     dtype: torch.dtype, interleave: bool, tokens: int
 ) -> None:
     lat, rope, q_a = 40, 16, 24
-    gen = torch.Generator().manual_seed(tokens)
+    gen = seeded(tokens)
     # kv as a view of the fused q_a | kv_a output: rows strided by q_a + lat + rope
     fused = torch.randn(tokens, q_a + lat + rope, generator=gen).to(DEVICE, dtype)
     kv = fused[:, q_a:]
@@ -88,7 +89,7 @@ def test_interpreter_latent_query_matches_reference(
     dtype: torch.dtype, interleave: bool, tokens: int, heads: int
 ) -> None:
     lat, nope, rope = 48, 12, 16
-    gen = torch.Generator().manual_seed(tokens * heads)
+    gen = seeded(tokens * heads)
     # q_latent as the transposed bmm output [heads, T, lat] -> [T, heads, lat]
     q_latent = torch.randn(heads, tokens, lat, generator=gen).to(DEVICE, dtype).transpose(0, 1)
     # q_pe as a view of the q projection [T, heads, nope + rope]
@@ -105,7 +106,7 @@ def test_interpreter_latent_query_matches_reference(
 
 @needs_kernel
 def test_interpreter_latent_store_with_no_row_to_write_changes_nothing() -> None:
-    gen = torch.Generator().manual_seed(3)
+    gen = seeded(3)
     kv = torch.randn(4, 24, generator=gen).to(DEVICE)
     cache = torch.randn(9, 1, 24, generator=gen).to(DEVICE)
     cos, sin = _cos_sin(4, 8, torch.float32, gen)
@@ -118,7 +119,7 @@ def test_interpreter_latent_store_with_no_row_to_write_changes_nothing() -> None
 def test_references_without_kernels_match_the_unfused_layer() -> None:
     """The torch references are the layer's CPU path: the entry is the normed latent and the
     rotated rope key; in the interleaved layout the pairs come out de-interleaved."""
-    gen = torch.Generator().manual_seed(0)
+    gen = seeded(0)
     kv = torch.randn(3, 10, generator=gen)
     weight = torch.randn(6, generator=gen)
     cos, sin = _cos_sin(3, 4, torch.float32, gen)

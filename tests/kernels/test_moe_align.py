@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 from counters import assert_counters_zero
+from seeds import seeded
 
 from safeserve.kernels import moe_align as ma
 
@@ -41,7 +42,7 @@ def _check_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> None
 
 @pytest.mark.parametrize("seed", range(4))
 def test_align_torch_layout(seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded(seed)
     num_experts = int(torch.randint(1, 70, (1,), generator=gen))
     block_m = [16, 32, 64][seed % 3]
     pairs = int(torch.randint(1, 600, (1,), generator=gen))
@@ -83,7 +84,7 @@ def test_max_padded_blocks_is_tight_for_one_token() -> None:
 def test_interpreter_align(pairs: int, experts: int, block_m: int) -> None:
     """Above 2,048 pairs: several programs, the last one lays out the experts and resets the
     counters, so back-to-back calls (as in a graph replay) start from zero."""
-    gen = torch.Generator().manual_seed(pairs)
+    gen = seeded(pairs)
     for _ in range(2):
         _check_align(torch.randint(-1, experts, (pairs, 1), generator=gen), experts, block_m)
         assert_counters_zero()

@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+from seeds import seeded
 
 from safeserve.kernels import norm_rope as nr
 from safeserve.kernels import topk_softmax as tk
@@ -30,7 +31,7 @@ def _rope(positions: torch.Tensor, head_dim: int, dtype: torch.dtype) -> tuple[t
 
 def test_references_match_unfused_math() -> None:
     """CPU: the references compute what the model computed op by op (float32, exact)."""
-    gen = torch.Generator().manual_seed(0)
+    gen = seeded(0)
     x, r = torch.randn(5, 24, generator=gen), torch.randn(5, 24, generator=gen)
     w = torch.randn(24, generator=gen)
     s = x + r
@@ -58,7 +59,7 @@ def test_references_match_unfused_math() -> None:
 @pytest.mark.parametrize("rows,hidden", [(1, 2048), (7, 2048), (61, 80), (130, 4096), (3, 100)])
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_rms_norm_kernel(dtype: torch.dtype, rows: int, hidden: int, with_residual: bool) -> None:
-    gen = torch.Generator(device="cuda").manual_seed(rows * hidden + with_residual)
+    gen = seeded(rows * hidden + with_residual, device="cuda")
     x = torch.randn(rows, hidden, generator=gen, device="cuda").to(dtype)
     res = torch.randn(rows, hidden, generator=gen, device="cuda").to(dtype) * 4
     w = (1 + 0.3 * torch.randn(hidden, generator=gen, device="cuda")).to(dtype)
@@ -86,7 +87,7 @@ def test_rms_norm_kernel(dtype: torch.dtype, rows: int, hidden: int, with_residu
     ],  # fmt: skip
 )
 def test_qk_norm_rope_store_kernel(dtype: torch.dtype, tokens: int, hq: int, hkv: int, d: int):  # type: ignore[no-untyped-def]
-    gen = torch.Generator(device="cuda").manual_seed(tokens * 1000 + d)
+    gen = seeded(tokens * 1000 + d, device="cuda")
     qkv = torch.randn(tokens, (hq + 2 * hkv) * d, generator=gen, device="cuda").to(dtype)
     qw = (1 + 0.3 * torch.randn(d, generator=gen, device="cuda")).to(dtype)
     kw = (1 + 0.3 * torch.randn(d, generator=gen, device="cuda")).to(dtype)
@@ -122,7 +123,7 @@ def test_interpreter_qk_norm_rope_store_per_token_and_per_block(tokens: int) -> 
     """CPU, Triton's interpreter, float32: a program per token (3 tokens) and per 16-token
     block (133: the last block partial) against the torch reference; the slots of the padding
     row and the slots no token maps to are left alone."""
-    gen = torch.Generator().manual_seed(tokens)
+    gen = seeded(tokens)
     hq, hkv, d = 4, 2, 16
     qkv = torch.randn(tokens, (hq + 2 * hkv) * d, generator=gen)
     qw, kw = 1 + 0.3 * torch.randn(d, generator=gen), 1 + 0.3 * torch.randn(d, generator=gen)
@@ -147,7 +148,7 @@ def test_interpreter_qk_norm_rope_store_per_token_and_per_block(tokens: int) -> 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 13, 64])
 def test_topk_softmax_maps_ids_and_casts_weights(tokens: int) -> None:
-    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    gen = seeded(tokens, device="cuda")
     logits = torch.randn(tokens, 128, generator=gen, device="cuda")
     expert_map = torch.randperm(128, generator=gen, device="cuda")
     w, ids = tk.fused_topk_softmax(logits, 8, True, torch.bfloat16, expert_map)

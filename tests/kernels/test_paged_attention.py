@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 from counters import assert_counters_zero
+from seeds import seeded
 
 from safeserve.kernels import paged_attention as pa
 from safeserve.layers.paged_attention import AttentionMetadata, paged_attention
@@ -41,7 +42,7 @@ def _problem(
     seed: int,
 ) -> tuple[torch.Tensor, ...]:
     """Random q, a random cache (every slot filled) and scattered, shuffled block tables."""
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded(seed)
     widths = [max(1, (c + block_size - 1) // block_size) for c in context_lens]
     num_blocks = sum(widths) + 3
     perm = torch.randperm(num_blocks, generator=gen).tolist()
@@ -212,7 +213,7 @@ def test_decode_kernel_merges_more_splits_than_one_pass(context: int, used: int)
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_store_kernel_matches_reference(dtype: torch.dtype) -> None:
-    gen = torch.Generator().manual_seed(3)
+    gen = seeded(3)
     k = torch.randn(7, 4, 96, generator=gen).to(DEVICE, dtype)
     v = torch.randn(7, 4, 96, generator=gen).to(DEVICE, dtype)
     slots = torch.tensor([12, -1, 0, 33, -1, 7, 50], device=DEVICE)
@@ -244,7 +245,7 @@ def test_decode_kernel_in_cuda_graph(ctxs: list[int], width: int | None) -> None
     with torch.cuda.graph(graph):
         pa.paged_decode(q, kc, vc, bt, ctx, 16, 0.1, out=out)
     for seed in range(4):
-        gen = torch.Generator().manual_seed(100 + seed)
+        gen = seeded(100 + seed)
         q.copy_(torch.randn(q.shape, generator=gen))
         kc.copy_(torch.randn(kc.shape, generator=gen))
         new = torch.randint(0, most + 1, (len(ctxs),), generator=gen).to(torch.int32)
@@ -278,7 +279,7 @@ def test_mixed_step_decodes_through_the_kernel_and_matches_the_torch_path(
     block_size, scale, hq, hkv, d = 16, 0.1, 8, 2, 64
     query_lens = [1, 5, 1, 1, 17, 1, 33]
     context_lens = [40, 5, 1, 130, 60, 17, 33]
-    gen = torch.Generator().manual_seed(3)
+    gen = seeded(3)
     widths = [(c + block_size - 1) // block_size for c in context_lens]
     perm = torch.randperm(sum(widths) + 2, generator=gen).tolist()
     tables, i = [], 0

@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+from seeds import seeded
 
 from safeserve.kernels import paged_prefill as pp
 from safeserve.kernels.common import HAS_TRITON, optin_shared_bytes, shared_memory_per_program
@@ -30,7 +31,7 @@ def needs_kernel(test):  # type: ignore[no-untyped-def]
 
 def _problem(q_lens, ctxs, hq, hkv, d, bs, dtype, device, seed):  # type: ignore[no-untyped-def]
     """Random caches, block tables (shuffled blocks, padded to one width) and query rows."""
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded(seed)
     widths = [(c + bs - 1) // bs for c in ctxs]
     num_blocks = sum(widths) + 3
     perm = torch.randperm(num_blocks, generator=gen).tolist()

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from counters import assert_counters_zero
+from seeds import seeded
 
 from safeserve.kernels import linear as lin
 from safeserve.kernels import norm_rope as nr
@@ -40,7 +41,7 @@ def _check_qkv(rows, hq, hkv, d, k, bias, device, dtype, tol, seed=0):  # type: 
     """The fused call against F.linear + the torch q/k norm/RoPE reference in float64: q, the
     cache rows at the slots (v exact to its rounding), slot -1 and every other slot untouched,
     counters back to zero, and a second call bit-identical. Returns (x, w, b, args) for more."""
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded(seed)
     n = (hq + 2 * hkv) * d
     x = torch.randn(rows, k, generator=gen).to(device, dtype)
     w = (torch.randn(n, k, generator=gen) / k**0.5).to(device, dtype)
@@ -88,7 +89,7 @@ def test_interpreter_qkv_norm_rope_store(case) -> None:
 def test_falls_back_to_two_steps() -> None:
     """Off the fused path (CPU without the interpreter, more rows than `SKINNY_MAX_ROWS`, an
     odd head_dim) the call is `qk_norm_rope_store(linear(...))` itself."""
-    gen = torch.Generator().manual_seed(3)
+    gen = seeded(3)
     for rows, d in ((lin.SKINNY_MAX_ROWS + 1, 16), (2, 24)):
         hq, hkv, k = 2, 1, 32
         x = torch.randn(rows, k, generator=gen)

@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+from seeds import seeded
 
 from safeserve.kernels import replica_spread as rs
 
@@ -18,7 +19,7 @@ INTERPRET = rs.HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1"
 def _case(rows: int, k: int, experts: int, sources: int, seed: int):  # type: ignore[no-untyped-def]
     """Routed choices (distinct per token, a few experts favoured), candidates of 1-3 replicas
     per (share, expert) among `experts + 7` slots, and a padding mask longer than the rows."""
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded(seed)
     weights = torch.ones(experts)
     weights[: max(1, experts // 4)] = 8.0  # skewed, as trained routers are
     ids = torch.stack([torch.multinomial(weights, k, generator=gen) for _ in range(rows)])

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from counters import assert_counters_zero
+from seeds import seeded
 
 from safeserve.kernels import common
 from safeserve.kernels import router_topk as rt
@@ -73,7 +74,7 @@ def _check(
 
 
 def _inputs(tokens, experts, hidden, with_map, dtype, device, seed):
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded(seed)
     x = torch.randn(tokens, hidden, generator=gen).to(device, dtype)
     gate = (torch.randn(experts, hidden, generator=gen) / hidden**0.5).to(device, dtype)
     emap = torch.randperm(experts, generator=gen).to(device) if with_map else None
@@ -229,8 +230,8 @@ def test_router_skew_setting_reaches_its_device_tensor() -> None:
     from safeserve.moe.topk import Router, RouterConfig
 
     router = Router(32, 16, RouterConfig(4, True))
-    router.weight.copy_(torch.randn(16, 32, generator=torch.Generator().manual_seed(3)))
-    router.logical_to_physical = torch.randperm(16, generator=torch.Generator().manual_seed(4))
+    router.weight.copy_(torch.randn(16, 32, generator=seeded(3)))
+    router.logical_to_physical = torch.randperm(16, generator=seeded(4))
     x = torch.randn(5, 32)
     plain = router(x)
     router.skew_expert = 14

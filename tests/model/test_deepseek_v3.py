@@ -13,6 +13,7 @@ import torch
 from checkpoints_deepseek_v3 import write_deepseek_v3_checkpoint
 from model_checks import broken_copy, dummy_load_generates, paged_logits
 from safetensors.torch import load_file
+from seeds import seeded
 from transformers import AutoModelForCausalLM, DeepseekV3Config
 
 from safeserve.engine.kv_cache import KVCache
@@ -72,7 +73,7 @@ def variant(request, tmp_path_factory: pytest.TempPathFactory):
 
 
 def _prompt(vocab: int, n: int = 29) -> list[int]:
-    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(1)).tolist()
+    return torch.randint(0, vocab, (n,), generator=seeded(1)).tolist()
 
 
 def test_logits_match_transformers_prefill_and_decode(variant) -> None:
@@ -135,7 +136,7 @@ def test_router_matches_transformers_router(groups: tuple[int, int], renormalize
         norm_topk_prob=renormalize,
         routed_scaling_factor=2.5,
     )
-    gen = torch.Generator().manual_seed(7)
+    gen = seeded(7)
     hf = DeepseekV3TopkRouter(hf_cfg)
     ours = Router(16, 12, router_config(parse_config(hf_cfg.to_dict())))
     weight = torch.randn(12, 16, generator=gen)
@@ -278,7 +279,7 @@ def test_config_refusals_are_one_line(change: dict, message: str) -> None:
 def test_store_without_host_sync_skips_minus_one_slots() -> None:
     """The CUDA store (no host sync) writes what the masked store writes, with -1 rows mixed
     in, first or last, or every row -1."""
-    gen = torch.Generator().manual_seed(0)
+    gen = seeded(0)
     for slots in ([5, -1, 2, -1, 7], [-1, 3, 0], [4, 6, -1], [-1, -1]):
         s = torch.tensor(slots)
         entry = torch.randn(len(slots), 6, generator=gen)
@@ -294,7 +295,7 @@ def test_store_without_host_sync_skips_minus_one_slots() -> None:
 def test_store_takes_the_decode_graphs_int32_slots() -> None:
     """The decode graphs hold their slots as int32 (engine/cuda_graph.py): the store writes
     with them what it writes with int64 slots."""
-    gen = torch.Generator().manual_seed(1)
+    gen = seeded(1)
     slots = torch.tensor([5, -1, 2, 7])
     entry = torch.randn(4, 6, generator=gen)
     base = torch.randn(9, 1, 6, generator=gen)

@@ -35,6 +35,7 @@ from fp8 import (
 )
 from layouts import run_layout
 from model_checks import broken_copy, paged_logits, paged_logits_match_transformers
+from seeds import seeded
 from serving import free_port, start_server, stop_server
 
 from safeserve.config import ServerArgs
@@ -75,7 +76,7 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def test_quantizer_follows_the_format_definition() -> None:
-    gen = torch.Generator().manual_seed(0)
+    gen = seeded(0)
     w = torch.randn(300, 200, generator=gen) * 0.1
     w[128:256, :128] = 0.0  # an all-zero tile
     w[:128, 128:] *= 1e4  # a tile of large values
@@ -101,7 +102,7 @@ def test_quantizer_follows_the_format_definition() -> None:
 
 
 def test_reference_linear_and_experts_compute_the_definition() -> None:
-    gen = torch.Generator().manual_seed(1)
+    gen = seeded(1)
     x = torch.randn(5, 300, generator=gen)
     w, bias = torch.randn(200, 300, generator=gen) * 0.1, torch.randn(200, generator=gen)
     q, s = quantize(w)
@@ -267,7 +268,7 @@ def test_dummy_weights_quantized_are_the_quantized_dummy_weights() -> None:
 def test_layouts_give_the_logits_of_one_rank(ckpts: dict[str, Path]) -> None:
     """tp2-ep2-alltoall on the FP8 checkpoint, and tp2-ep2-alltoall-dp quantizing the float32
     one at load: every chunk's last logits within 1e-4 of the single rank's."""
-    gen = torch.Generator().manual_seed(5)
+    gen = seeded(5)
     seqs = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (14, 9, 20)]
     chunks = [5, 6, 1, 1, 3, 1, 1, 1, 1]
     one = build_ours(ckpts["fp8"])

@@ -14,6 +14,7 @@ from checkpoints_deepseek_v3 import write_deepseek_v3_checkpoint
 from fp8 import build_ours, same_weights, write_dequantized_copy, write_fp8_checkpoint
 from layouts import run_layout
 from model_checks import paged_logits, paged_logits_match_transformers
+from seeds import seeded
 from serving import free_port
 
 from safeserve.layers.linear import BlockFp8Linear
@@ -61,7 +62,7 @@ def test_online_quantization_equals_the_fp8_checkpoint(ckpts: dict[str, Path]) -
 def test_an_ep_layout_gives_the_logits_of_one_rank(ckpts: dict[str, Path]) -> None:
     """tp2-ep2-alltoall-dp: attention data-parallel, the experts whole per EP rank, so the tiny
     model's odd widths cut no tile."""
-    gen = torch.Generator().manual_seed(5)
+    gen = seeded(5)
     seqs = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (11, 7)]
     one = build_ours(ckpts["fp8"])
     single = {i: paged_logits(one, s, [len(s)], 4, list(range(8))) for i, s in enumerate(seqs)}

@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+from seeds import seeded
 
 from safeserve.engine.eplb import predicted_balancedness
 from safeserve.moe.eplb.balancedness import layer_balancedness
@@ -22,7 +23,7 @@ from safeserve.moe.expert_map import ExpertMap
 
 
 def _random_case(seed: int, layers: int = 3, experts: int = 8, ep: int = 4, redundant: int = 8):
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded(seed)
     skew = torch.rand(layers, experts, generator=gen) ** 4 * 100  # a few hot experts
     sources = [(r, torch.poisson(skew, generator=gen).to(torch.int64)) for r in range(ep)]
     total = sum(c for _, c in sources)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from seeds import seeded
 
 from safeserve.kernels.expert_count import count_experts
 from safeserve.kernels.replica_spread import spread_ids
@@ -51,7 +52,7 @@ def test_redundant_trivial_map_hand_worked() -> None:
 
 
 def test_from_phy2log_matches_rebalance_experts() -> None:
-    gen = torch.Generator().manual_seed(0)
+    gen = seeded(0)
     weight = torch.randint(0, 100, (3, 8), generator=gen).float()
     phy2log, log2phy, logcnt = rebalance_experts(weight, 12, 1, 1, 4)
     m = ExpertMap.from_phy2log(phy2log, num_logical=8, ep_size=4)
@@ -179,7 +180,7 @@ def test_recorder_for_a_map_counts_its_ranks_blocks() -> None:
 
 
 def _permuted(num_experts: int, ep_size: int, layers: int, seed: int) -> ExpertMap:
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded(seed)
     rows = [torch.randperm(num_experts, generator=gen).tolist() for _ in range(layers)]
     return ExpertMap.from_phy2log(rows, num_experts, ep_size)
 
@@ -221,7 +222,7 @@ def _logits(ckpt: Path, placement: ExpertPlacement) -> torch.Tensor:
     from safeserve.moe.dispatch import LocalDispatcher
 
     net = build_model(str(ckpt), "auto", "float32", "cpu", LocalDispatcher(placement))
-    ids = torch.randint(0, net.config.vocab_size, (12,), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(0, net.config.vocab_size, (12,), generator=seeded(2))
     return paged_logits(net, ids.tolist(), [7, 1, 1, 1, 1, 1], block_size=4, table=TABLE)
 
 
@@ -344,7 +345,7 @@ def test_routing_spreads_an_experts_tokens_over_its_candidates(source: int | Non
     write_expert_map(layers, m, source)  # type: ignore[arg-type]
     gate = layers[0].gate
     assert gate.logical_to_physical.tolist() == [0, 1, 2, 3]  # the kernels map nothing
-    gen = torch.Generator().manual_seed(0)
+    gen = seeded(0)
     with torch.no_grad():  # every token picks experts 0 and 3
         gate.weight.copy_(torch.randn(4, 8, generator=gen))
         gate.weight[0] += 50.0
@@ -377,7 +378,7 @@ def test_an_experts_pairs_take_its_candidates_in_turn_whatever_their_token_index
     m = ExpertMap.from_phy2log([[0, 1, 2, 3, 3, 0, 1, 3]], 4, 2, seed=1)
     write_expert_map(layers, m, source)  # type: ignore[arg-type]
     gate = layers[0].gate
-    gen = torch.Generator().manual_seed(2)
+    gen = seeded(2)
     logical = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(12)])
     logical[::2, 0] = 3  # expert 3 at every even index
     logical[::2, 1] = torch.where(logical[::2, 1] == 3, 2, logical[::2, 1])

@@ -22,6 +22,7 @@ import httpx
 import pytest
 import torch
 from checkpoints import greedy_continuations, skew_router, write_qwen3_moe_checkpoint
+from seeds import seeded
 from serving import (
     Server,
     admin_groups,
@@ -51,7 +52,7 @@ def skewed(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded(seed)
     return [torch.randint(0, 300, (4 + i % 7,), generator=gen).tolist() for i in range(n)]
 
 

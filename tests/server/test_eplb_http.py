@@ -15,6 +15,7 @@ import httpx
 import pytest
 import torch
 from checkpoints import greedy_continuations, skew_router, write_qwen3_moe_checkpoint
+from seeds import seeded
 from serving import Server, sse_chunk, start_server, stop_server
 
 pytestmark = pytest.mark.slow
@@ -41,7 +42,7 @@ def skewed(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _prompts() -> list[list[int]]:
-    gen = torch.Generator().manual_seed(21)
+    gen = seeded(21)
     return [torch.randint(0, 300, (5 + i % 9,), generator=gen).tolist() for i in range(STREAMS)]
 
 
