@@ -113,6 +113,9 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    # --enable-deterministic-inference on CUDA: a hash of the position's whole float32 logits
+    # row (16 hex digits), equal between two answers only when every logit is equal to the bit
+    digest: str | None = None
 
 
 @dataclass

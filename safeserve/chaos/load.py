@@ -94,6 +94,19 @@ class Load:
                 *(self._client(client, i * self.spec.ramp_s / n) for i in range(n))
             )
 
+    async def reference(self) -> dict[int, list[int]]:
+        """Each prompt the run sent, once more, alone (one request at a time): its tokens when
+        nothing shares its batches and no fault is injected. Prompts whose lone answer did not
+        succeed are left out."""
+        out: dict[int, list[int]] = {}
+        async with self._http() as client:
+            for prompt in sorted({r.prompt for r in self.records}):
+                rec = RequestRecord(-1, prompt, self.now())
+                await self._one(client, rec)
+                if rec.status == 200 and rec.finish_reason and not (rec.error or rec.broken):
+                    out[prompt] = rec.token_ids
+        return out
+
     async def one_round(self, t0: float) -> None:
         """Each of the `concurrency` clients sends one request, all at once, and waits for its
         end (kernels/bench_serve.py: a batch that starts together, as `safeserve bench`'s)."""

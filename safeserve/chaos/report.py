@@ -7,6 +7,10 @@ Definitions (docs/operations.md, Chaos runs):
   *lost*: anything else (a stream cut without an error, missing tokens): the outcome we forbid.
 - *consistent*: a succeeded request's tokens equal the most common output of its prompt
   (greedy), so a continuation on another group lost or repeated nothing.
+- *reference_equal* (`[load].reference`): a succeeded request's tokens equal its prompt's answer
+  when sent alone after the load, every group READY again (the unfaulted reference). Exact on
+  CPU (float32) and with `--enable-deterministic-inference`; on GPUs without it, results depend
+  on the batch a request shares and the share is reported, not required.
 - *baseline*: from `warmup_s` to the first fault; each group's tokens/s there (server counter
   `generation_tokens_total{group}`) and the p99 TPOT of requests that started on it.
 - per signal fault on group g: *detect* = first watchdog verdict on g after the signal;
@@ -83,7 +87,9 @@ def outcome(r: RequestRecord, max_tokens: int) -> str:
     return "lost"
 
 
-def request_summary(records: list[RequestRecord], max_tokens: int) -> dict[str, Any]:
+def request_summary(
+    records: list[RequestRecord], max_tokens: int, reference: dict[int, list[int]] | None = None
+) -> dict[str, Any]:
     kinds = Counter(outcome(r, max_tokens) for r in records)
     ok = [r for r in records if outcome(r, max_tokens) == "succeeded"]
     usual: dict[int, tuple[int, ...]] = {}
@@ -95,12 +101,19 @@ def request_summary(records: list[RequestRecord], max_tokens: int) -> dict[str, 
         for r in records
         if outcome(r, max_tokens) != "succeeded"
     ][:5]
+    equal = None
+    if reference is not None:
+        # a prompt without a lone answer counts against the share: nothing to compare with
+        same = sum(1 for r in ok if reference.get(r.prompt) == r.token_ids)
+        equal = same / len(ok) if ok else None
     return {
         "sent": len(records),
         "succeeded": kinds["succeeded"],
         "failed": kinds["failed"],
         "lost": kinds["lost"],
         "consistent": (consistent / len(ok)) if ok else None,
+        "reference_equal": equal,
+        "reference_prompts": None if reference is None else len(reference),
         "tokens": sum(len(r.token_ids) for r in records),
         "not_succeeded_examples": examples,
     }
@@ -409,6 +422,7 @@ def build_report(
     after: dict,
     groups_before: list[dict[str, Any]],
     groups_after: list[dict[str, Any]],
+    reference: dict[int, list[int]] | None = None,
 ) -> dict[str, Any]:
     """The report of a run: its requests, the baseline, each fault, the server's counters
     (`before` and `after` are /metrics scrapes, the groups are /admin/groups views, each taken
@@ -420,7 +434,7 @@ def build_report(
         "description": sc.description,
         "load": asdict(sc.load),
         "elapsed_s": round(elapsed_s, 3),
-        "requests": request_summary(records, sc.load.max_tokens),
+        "requests": request_summary(records, sc.load.max_tokens, reference),
         "slo": slo_summary(sc, records),
         "baseline": baseline,
         "faults": fault_rows,
@@ -477,6 +491,16 @@ def evaluate(sc: Scenario, report: dict[str, Any]) -> list[dict[str, Any]]:
         out.append(
             _goal(
                 "consistent", f">= {gl.consistent_min}", v, v is not None and v >= gl.consistent_min
+            )
+        )
+    if gl.reference_equal_min is not None:
+        v = req["reference_equal"]
+        out.append(
+            _goal(
+                "reference_equal",
+                f">= {gl.reference_equal_min}",
+                v,
+                v is not None and v >= gl.reference_equal_min,
             )
         )
     if gl.slo_goodput_min is not None:
@@ -642,7 +666,13 @@ def render(report: dict[str, Any]) -> str:
         f"scenario {report['scenario']}: {'PASS' if report['ok'] else 'FAIL'} "
         f"({report['elapsed_s']:.0f} s)",
         f"requests: sent {req['sent']}, succeeded {req['succeeded']}, failed {req['failed']}, "
-        f"lost {req['lost']}, consistent {_pct(req['consistent'])}; "
+        f"lost {req['lost']}, consistent {_pct(req['consistent'])}"
+        + (
+            ""
+            if req.get("reference_equal") is None
+            else f", equal to the lone reference {_pct(req['reference_equal'])}"
+        )
+        + "; "
         f"migrations {report['server']['migrations']:.0f}, retries {report['server']['retries']:.0f}"
         + f", moved while waiting {report['server'].get('router_picks', {}).get('moved', 0):.0f}",
         "baseline: "

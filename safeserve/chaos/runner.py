@@ -210,6 +210,11 @@ async def run(
         await asyncio.gather(poll, prog, return_exceptions=True)
     async with httpx.AsyncClient(timeout=10.0) as c:
         after, groups_after = await asyncio.gather(obs.metrics(c), obs.groups(c))
+    reference = None
+    if sc.load.reference:  # after the counters: the lone answers are not part of the load
+        await _all_ready(obs, ready_timeout, progress)
+        print("[chaos] sending each prompt once alone (the unfaulted reference)", file=progress)
+        reference = await load.reference()
     return build_report(
         sc,
         obs,
@@ -220,6 +225,7 @@ async def run(
         after=after,
         groups_before=groups_before,
         groups_after=groups_after,
+        reference=reference,
     )
 
 

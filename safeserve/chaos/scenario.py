@@ -96,6 +96,9 @@ class LoadSpec:
     warmup_s: float = 3.0
     ramp_s: float = 0.0  # client i starts at i/concurrency x ramp_s: no lock-step waves
     distinct_prompts: int = 8  # prompts cycle, so greedy outputs can be compared for consistency
+    # after the load, with every group READY: each prompt sent once alone, its answer the
+    # unfaulted reference that every completion of it is compared with (`reference_equal`)
+    reference: bool = False
     request_timeout_s: float = 300.0
 
 
@@ -130,6 +133,7 @@ class Goals:
     lost_max: int | None = 0
     failed_max: int | None = 0
     consistent_min: float | None = None  # share of completions equal to their prompt's usual one
+    reference_equal_min: float | None = None  # share equal to their prompt's lone answer
     detect_kill_max_s: float | None = None
     detect_stall_max_s: float | None = None
     detect_corrupt_max_s: float | None = None  # a `corrupt` fault to the canary's verdict
@@ -255,6 +259,8 @@ def validate(sc: Scenario, where: str) -> None:
     for key in ("concurrency", "prompt_tokens", "max_tokens", "distinct_prompts"):
         if getattr(ld, key) < 1:
             raise ScenarioError(f"{where}: [load].{key} must be at least 1")
+    if sc.goals.reference_equal_min is not None and not ld.reference:
+        raise ScenarioError(f"{where}: [goals].reference_equal_min needs [load].reference = true")
     if not 0 <= ld.warmup_s < ld.duration_s:
         raise ScenarioError(f"{where}: [load].warmup_s must be in [0, duration_s)")
     if not 0 <= ld.ramp_s <= ld.warmup_s:

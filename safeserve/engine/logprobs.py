@@ -5,15 +5,23 @@ Prompt log-probabilities need the logits of every prompt position of the request
 (only theirs: the others' steps compute the logits of their sampling rows only, as before); a
 long prompt's rows go through the LM head a slice at a time, so a prefill chunk of thousands of
 tokens never holds [chunk, vocab] logits at once.
+
+With `--enable-deterministic-inference` on CUDA each entry also carries a digest of its whole
+logits row (`logits_digests`): a request's rows are then the same to the bit whatever shares its
+steps, and the digest lets a client or the canary check that without the vocabulary-sized rows.
+(On CPU the library GEMMs pick their kernel by the number of rows, so rows are equal to about
+1e-5, not to the bit: no digest there.)
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 
 import torch
 
 from safeserve.engine.plan import SeqPlan
+from safeserve.kernels.common import batch_invariant
 from safeserve.messages import TokenLogprob
 
 # Rows of prompt logits computed at once: [256, 152k] float32 is 150 MiB.
@@ -34,10 +42,23 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], tops: list[int]) -> 
     if k > 0:
         values, ids = torch.topk(lp, k, dim=-1)
         top_v, top_i = values.tolist(), ids.tolist()
+    digests: list[str | None] = (
+        list(logits_digests(logits))
+        if batch_invariant() and logits.is_cuda
+        else [None] * len(tokens)
+    )
     return [
-        TokenLogprob(tok, c, list(zip(top_i[i][: tops[i]], top_v[i][: tops[i]], strict=True)))
+        TokenLogprob(
+            tok, c, list(zip(top_i[i][: tops[i]], top_v[i][: tops[i]], strict=True)), digests[i]
+        )
         for i, (tok, c) in enumerate(zip(tokens, chosen, strict=True))
     ]
+
+
+def logits_digests(logits: torch.Tensor) -> list[str]:
+    """Per row of `logits` [n, V]: BLAKE2b (8 bytes, hex) of its float32 values' bytes."""
+    rows = logits.to(torch.float32).cpu().contiguous().numpy()
+    return [hashlib.blake2b(row.tobytes(), digest_size=8).hexdigest() for row in rows]
 
 
 def prompt_rows(seqs: list[SeqPlan]) -> list[tuple[int, int, int]]:

@@ -6,7 +6,10 @@ A group's first answer after it became READY is its reference. Each later answer
 with it: the same tokens, each with about the same log-probability. Where a token differs, it
 counts as healthy only if it is the reference's runner-up there, within a near tie of its best
 (GPU kernels in bfloat16 may flip a near tie with the batch the canary shares), and the comparison
-stops there (what follows a different token legitimately differs). A mismatch is checked once more at once;
+stops there (what follows a different token legitimately differs). With
+`--enable-deterministic-inference` on CUDA the answer carries a digest of each position's whole
+logits row, and those must equal the reference's exactly: a request's logits are then the same to
+the bit whatever shares its steps. A mismatch is checked once more at once;
 two in a row are a `corrupt` verdict that fences the group (`server/group_client.py` runs the
 canary every `--canary-interval-s`; `GET /health/generate` runs one on demand).
 """
@@ -49,6 +52,14 @@ def compare(reference: CanaryAnswer, got: CanaryAnswer) -> str | None:
     if len(got.tokens) != len(reference.tokens) or len(got.logprobs) != len(got.tokens):
         return f"{len(got.tokens)} tokens, the reference has {len(reference.tokens)}"
     for i, (ref, now) in enumerate(zip(reference.logprobs, got.logprobs, strict=True)):
+        if ref.digest is not None and now.digest is not None:
+            if now.digest != ref.digest or now.token_id != ref.token_id:
+                return (
+                    f"token {i} ({now.token_id}) has logits digest {now.digest}, the "
+                    f"reference's ({ref.token_id}) {ref.digest}: deterministic mode computes "
+                    "the same logits to the bit"
+                )
+            continue
         if now.token_id != ref.token_id:
             if _near_tie_flip(ref, now):
                 return None  # what follows a flipped near tie may differ

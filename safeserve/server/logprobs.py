@@ -3,6 +3,10 @@
 the prompt's entries first, the first one null) and chat's `{"content": [{token, logprob, bytes,
 top_logprobs}]}`.
 
+With `--enable-deterministic-inference` on CUDA each position also carries a digest of its
+whole logits row (`logits_digests` beside `tokens`; `logits_digest` in a chat entry): two
+answers with equal digests had equal logits, to the bit.
+
 A token's text is its decoded bytes; a token that is not valid UTF-8 on its own (one byte of a
 multi-byte character) is spelt `bytes:\\xNN...`, as OpenAI and vLLM do, so that two such tokens
 never share a key of a `top_logprobs` dict.
@@ -19,6 +23,12 @@ from safeserve.model.tokenizer import Tokenizer
 # What a logprob of -inf (a token of probability 0) or NaN is written as: JSON has neither, and
 # an answer must stay valid JSON (vLLM writes the same number).
 FLOOR_LOGPROB = -9999.0
+# With --enable-deterministic-inference on CUDA, each position's logits digest (16 hex digits of
+# a hash of its whole float32 logits row; null for the prompt's first token): completions'
+# `logprobs` get a list beside `tokens`, chat's content entries one key each. Equal digests are
+# equal logits, to the bit.
+DIGESTS = "logits_digests"
+DIGEST = "logits_digest"
 
 
 def finite(logprob: float) -> float:
@@ -51,12 +61,14 @@ class CompletionLogprobs:
             "top_logprobs": [],
             "text_offset": [],
         }
+        digests: list[str | None] = []
         for i, tid in enumerate(token_ids):
             lp = logprobs[i] if logprobs is not None and i < len(logprobs) else None
             text = token_text(self.tok, tid)
             out["tokens"].append(text)
             out["text_offset"].append(self.offset)
             self.offset += len(self.tok.decode([tid]))
+            digests.append(None if lp is None else lp.digest)
             if lp is None:
                 out["token_logprobs"].append(None)
                 out["top_logprobs"].append(None)
@@ -69,6 +81,8 @@ class CompletionLogprobs:
                 key = token_text(self.tok, t)
                 top[key] = max(finite(v), top.get(key, FLOOR_LOGPROB))
             out["top_logprobs"].append(top)
+        if any(d is not None for d in digests):
+            out[DIGESTS] = digests
         return out
 
 
@@ -82,6 +96,8 @@ def merge_completion_logprobs(parts: list[dict]) -> dict:
     for p in parts:
         for k in merged:
             merged[k].extend(p[k])
+    if any(DIGESTS in p for p in parts):
+        merged[DIGESTS] = [d for p in parts for d in p.get(DIGESTS, [None] * len(p["tokens"]))]
     return merged
 
 
@@ -102,5 +118,7 @@ def chat_logprobs(
         lp = logprobs[i]
         entry = one(tid, lp.logprob)
         entry["top_logprobs"] = [one(t, v) for t, v in lp.top[:top_n]]
+        if lp.digest is not None:
+            entry[DIGEST] = lp.digest
         content.append(entry)
     return {"content": content, "refusal": None}

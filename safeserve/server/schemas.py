@@ -34,6 +34,11 @@ class CompletionLogprobs(BaseModel):
     token_logprobs: list[float | None]
     top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+    logits_digests: list[str | None] | None = Field(
+        default=None,
+        description="--enable-deterministic-inference on CUDA: a hash of each position's whole "
+        "logits row (equal digests: equal logits, to the bit)",
+    )
 
 
 class CompletionChoice(BaseModel):
@@ -72,6 +77,11 @@ class TopLogprob(BaseModel):
 
 class ChatTokenLogprob(TopLogprob):
     top_logprobs: list[TopLogprob]
+    logits_digest: str | None = Field(
+        default=None,
+        description="--enable-deterministic-inference on CUDA: a hash of the position's whole "
+        "logits row (equal digests: equal logits, to the bit)",
+    )
 
 
 class ChatLogprobs(BaseModel):

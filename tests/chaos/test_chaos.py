@@ -68,6 +68,7 @@ def _chaos(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
         ({"slo": {"p99_s": 1.0}}, "unknown key 'p99_s'"),
         ({"slo": {"tpot_s": "fast"}}, "expected float"),
         ({"goals": {"share_tolerance": 1.5}}, "share_tolerance in (0, 1)"),
+        ({"goals": {"reference_equal_min": 1.0}}, "needs [load].reference = true"),
         # node faults: a node of [nodes], faulted once until healed, healed after a fault
         ({"faults": [{"at_s": 5, "action": "node_kill"}]}, "node_kill needs node"),
         ({"faults": [{"at_s": 5, "action": "partition", "node": "b"}]}, "needs a [nodes] table"),
@@ -164,7 +165,10 @@ def test_outcomes_separate_told_failures_from_silent_losses() -> None:
     ]
     s = request_summary([good, told, cut, short, odd, _rec(5, [1, 2, 3])], 3)
     assert (s["sent"], s["succeeded"], s["failed"], s["lost"]) == (6, 3, 1, 2)
-    assert s["consistent"] == pytest.approx(2 / 3)
+    assert s["consistent"] == pytest.approx(2 / 3) and s["reference_equal"] is None
+    # against a lone reference: `odd` differs; a prompt without a reference counts as different
+    assert request_summary([good, odd], 3, {0: [1, 2, 3]})["reference_equal"] == 0.5
+    assert request_summary([good, odd], 3, {})["reference_equal"] == 0.0
     assert good.tpot() == pytest.approx(0.1)
     assert p99([float(x) for x in range(1, 101)]) == 99.0
     assert p99([]) is None
@@ -272,6 +276,7 @@ max_tokens = 16
 duration_s = 34
 warmup_s = 3
 ramp_s = 2
+reference = true
 [[faults]]
 at_s = 8
 action = "sigkill"
@@ -281,6 +286,7 @@ rank = 1
 lost_max = 0
 failed_max = 0
 consistent_min = 1.0
+reference_equal_min = 1.0
 detect_kill_max_s = 2.0
 recover_max_s = 60.0
 recover_throughput = 0.5
@@ -308,6 +314,9 @@ def test_kill_run_reports_detection_recovery_and_no_loss(server_factory, tmp_pat
     req = rep["requests"]
     assert req["sent"] >= 16 and req["succeeded"] == req["sent"]
     assert req["lost"] == req["failed"] == 0 and req["consistent"] == 1.0
+    # every completion, migrated ones included, equals its prompt's answer sent alone afterwards
+    assert req["reference_equal"] == 1.0 and req["reference_prompts"] == 8
+    assert "equal to the lone reference 100" in r.stdout
     (f,) = rep["faults"]
     assert f["verified"] and f["pid"] == pids_before[0][1]
     assert f["verdict"] == "dead" and 0 <= f["detect_s"] <= 2.0

@@ -54,6 +54,26 @@ def test_compare() -> None:
     assert "2 tokens" in (compare(ref, _answer((7, -0.1, -3.0), (9, -0.5, -0.6))) or "")
 
 
+def test_compare_with_logits_digests_is_exact() -> None:
+    """Deterministic mode on CUDA: answers carry a digest of each logits row, and any change
+    of one is a mismatch, even a logprob change far inside the tolerance."""
+    ref = _answer((7, -0.1, -3.0), (9, -0.5, -0.6))
+    for i, lp in enumerate(ref.logprobs):
+        lp.digest = f"{i:016x}"
+    same = _answer((7, -0.1, -3.0), (9, -0.5, -0.6))
+    for i, lp in enumerate(same.logprobs):
+        lp.digest = f"{i:016x}"
+    assert compare(ref, same) is None
+    same.logprobs[1].digest = "ffffffffffffffff"  # logprobs equal, one logit elsewhere moved
+    why = compare(ref, same)
+    assert why is not None and "token 1 (9) has logits digest ffffffffffffffff" in why
+    # the near-tie rule does not apply: a flip is a different computation
+    flip = _answer((7, -0.1, -3.0), (10, -0.55, -0.6))
+    for i, lp in enumerate(flip.logprobs):
+        lp.digest = f"{i:016x}"
+    assert compare(ref, flip) is not None
+
+
 def _complete(s: Server, prompt: list[int]) -> list[int]:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
     body |= {"ignore_eos": True, "return_token_ids": True}
