@@ -221,10 +221,13 @@ def test_warm_up_builds_every_kernel_variant_later_requests_use() -> None:
     assert sum(map(len, built.values())) > 0
     # Lengths the warm-up did not use, together: mixed prefill + decode steps of many sizes,
     # and a prompt longer than one step (chunked).
+    # ignore_eos: every request runs its 6 tokens whatever the random model answers, so the
+    # steps (and their sizes) do not depend on the drawn prompts
     gen = seeded(3)
+    greedy6 = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     for i, n in enumerate((5, 47, 100, 300, 511, 700)):
         prompt = torch.randint(0, 256, (n,), generator=gen).tolist()
-        engine.add_request(str(i), prompt, SamplingParams(max_tokens=6, temperature=0.0))
+        engine.add_request(str(i), prompt, greedy6)
     steps = engine.step_id
     while engine.has_work():
         engine.step()
