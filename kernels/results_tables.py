@@ -1092,6 +1092,10 @@ def chaos_fault(f: dict[str, Any]) -> str:
     return text
 
 
+def _share(v: float | None) -> str:
+    return "–" if v is None else f"{100 * v:.1f} %"
+
+
 def chaos_render(chosen: dict[str, Result]) -> list[str]:
     out = ["### Chaos runs (`safeserve chaos run chaos/<scenario>.toml`)", ""]
     out += ["One file per scenario, the newest of each.", ""]
@@ -1130,6 +1134,7 @@ def chaos_render(chosen: dict[str, Result]) -> list[str]:
                 f"[{scen}](results/{r.name})",
                 r.date,
                 f"{req['sent']:,} / {req['failed']} / {req['lost']}",
+                _share(req.get("consistent")) + " / " + _share(req.get("reference_equal")),
                 faults or "–",
                 ", ".join(growth) or "–",
                 "; ".join(missed) or "none",
@@ -1140,6 +1145,7 @@ def chaos_render(chosen: dict[str, Result]) -> list[str]:
             "scenario",
             "date",
             "requests sent / failed / lost",
+            "consistent / equal to the lone reference",
             "faults",
             "memory growth GiB per rank",
             "goals missed",
@@ -1148,8 +1154,10 @@ def chaos_render(chosen: dict[str, Result]) -> list[str]:
     )
     out += [
         "",
-        "Survivor goodput: the other group's tokens/s in the fault window over its baseline."
-        " Memory growth (runs that record it apart from start-up): a rank's peak while serving"
+        "Consistent: completions equal to their prompt's most common output in the run; equal to"
+        " the lone reference: equal to their prompt's answer sent alone after the load (runs with"
+        " `[load] reference`). Survivor goodput: the other group's tokens/s in the fault window"
+        " over its baseline. Memory growth (runs that record it apart from start-up): a rank's peak while serving"
         " minus the memory it held when the run began; the rank-memory spread goal (most − least"
         " growth in a group) is computed from these, not taken from the file, whose runner of"
         " 2026-11-30 measured growth from an earlier baseline.",
