@@ -58,6 +58,12 @@ class TcpProxy:
             except OSError:
                 _close(client)
                 continue
+            if self_connected(upstream):
+                # nothing listens at the target yet, and the kernel gave this connection the
+                # target's own port: held open, it would keep the frontend from binding it
+                _close(upstream)
+                _close(client)
+                continue
             with self._lock:
                 self._conns += [client, upstream]
             for src, dst, side in ((client, upstream, "client"), (upstream, client, "upstream")):
@@ -80,6 +86,17 @@ class TcpProxy:
                 break
         _close(src)
         _close(dst)
+
+
+def self_connected(s: socket.socket) -> bool:
+    """A TCP self-connect: a connection to a local port nothing listens on whose source port
+    the kernel picked equal to it (both ends are this socket). An agent reconnecting through the
+    proxy while the frontend starts makes many such attempts, and one in some tens of thousands
+    lands on the port the frontend is about to bind."""
+    try:
+        return s.getsockname() == s.getpeername()
+    except OSError:
+        return False
 
 
 def _close(s: socket.socket) -> None:

@@ -487,3 +487,36 @@ def test_partition_scenario_cuts_one_node_and_loses_nothing(tmp_path: Path) -> N
             assert psutil.Process(f["pid"]).status() == psutil.STATUS_ZOMBIE
         except psutil.NoSuchProcess:
             pass
+
+
+def test_proxy_drops_a_self_connected_upstream() -> None:
+    """A connection to a local port nothing listens on can get that very port as its source
+    (TCP self-connect); the proxy must recognise and close it, or it holds the port the
+    frontend is about to bind (a partition run once failed to start on it)."""
+    import socket
+
+    from safeserve.chaos.proxy import TcpProxy, self_connected
+    from safeserve.ports import free_port
+
+    port = free_port()
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", port))
+    s.connect(("127.0.0.1", port))  # simultaneous open with itself
+    try:
+        assert self_connected(s)
+    finally:
+        s.close()
+    server = socket.create_server(("127.0.0.1", 0))
+    proxy = TcpProxy(server.getsockname())
+    try:
+        c = socket.create_connection(("127.0.0.1", proxy.port))
+        up, _ = server.accept()
+        assert not self_connected(c) and not self_connected(up)
+        c.sendall(b"ping")
+        assert up.recv(4) == b"ping"
+        c.close()
+        up.close()
+    finally:
+        proxy.close()
+        server.close()
