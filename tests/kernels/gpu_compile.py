@@ -346,6 +346,19 @@ def _launch_everything(capability: int, shared: int) -> None:
             ids = torch.zeros(tokens, k, dtype=torch.int32)
             x = torch.empty(tokens, h, dtype=dtype)
             fm.fused_moe(x, w13d, w2d, torch.empty(tokens, k), ids)
+    # The block-FP8 fused MoE (W8A8): its quantizer, gate/up and down at each row-tile size of
+    # its default configs, with the target's pipeline depth.
+    from safeserve.kernels import fused_moe_fp8 as f8
+
+    fp8 = torch.float8_e4m3fn
+    w13q, w2q = torch.empty(e, 2 * inter, h, dtype=fp8), torch.empty(e, h, inter, dtype=fp8)
+    w13s = torch.empty(e, 2 * -(-inter // 128), -(-h // 128))
+    w2s = torch.empty(e, -(-h // 128), -(-inter // 128))
+    for dtype in (bf16, torch.float32):
+        for tokens in (1, 512, 4096):
+            ids = torch.zeros(tokens, k, dtype=torch.int32)
+            x = torch.empty(tokens, h, dtype=dtype)
+            f8.fused_moe_fp8(x, w13q, w13s, w2q, w2s, torch.empty(tokens, k), ids)
 
 
 def run_target(name: str) -> int:

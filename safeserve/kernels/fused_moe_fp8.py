@@ -1,0 +1,419 @@
+"""Block-FP8 fused MoE (W8A8, Triton): `fused_moe_fp8` computes what
+`fp8_reference.grouped_experts_fp8(..., quantize_input=True)` does, for experts stored as
+float8_e4m3fn with one float32 `scale_inv` per 128 x 128 tile (DeepSeek-V3's and Qwen3-FP8's
+format).
+
+Four launches of the sorted plan (the pairs sorted by expert and padded per expert to `BLOCK_M`
+rows by `moe_align`, as `fused_moe`'s sorted plan):
+
+1. `token_group_quant`: activations to FP8 per token and 128 columns, `scale = max|x| / 448`.
+2. gate/up: one row tile of one expert against 128 intermediate columns of gate and of up; in
+   the K loop each 128-wide step's FP8 dot is scaled by the rows' activation scales and the two
+   weight tiles' scales; the epilogue applies SiLU-and-mul and quantizes the 128 columns it holds
+   (one scale group per row: the tile is the group) to FP8 with their scales.
+3. down: the FP8 intermediate against w2 (its scales per 128 x 128 tile), times the pair's
+   routing weight, one row per pair.
+4. the top-k sum of `fused_moe` (slots with id -1 skipped).
+
+The FP8 roundings are done in float32 (`_round_e4m3`: nearest, ties to even, to e4m3's 3
+mantissa bits, saturating at 448), so the stored value is exactly representable and its
+conversion exact: the quantized activations and scales equal the torch quantizer's, on a GPU and
+under Triton's CPU interpreter (whose own float-to-FP8 conversion truncates).
+
+Tiles: BLOCK_K is the scale block's 128 columns and gate/up's BLOCK_N its 128 rows; only
+`block == (128, 128)` takes the kernels (other blocks run the torch reference). The tile sizes
+below are untuned defaults, not a table. Every grid depends on shapes only (CUDA-graph safe).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from safeserve.kernels.common import (
+    HAS_TRITON,
+    next_power_of_2,
+    pdl_supported,
+    shared_memory_per_program,
+    tl,
+    triton,
+    use_kernels,
+)
+from safeserve.kernels.fp8_reference import FP8, MIN_AMAX, grouped_experts_fp8
+from safeserve.kernels.moe_align import moe_align
+
+GROUP = 128  # the scale block: 128 x 128 weight tiles, 128-column activation groups
+
+if HAS_TRITON:
+    from safeserve.kernels.common import pdl_wait
+    from safeserve.kernels.fused_moe_kernels import _sum_topk_kernel
+
+    @triton.jit
+    def _round_e4m3(v):
+        """v (float32, |v| <= 448) rounded to the nearest float8_e4m3fn value (ties to even),
+        still as float32: exact for the conversion that follows."""
+        bits = v.to(tl.int32, bitcast=True)
+        exp = ((bits >> 23) & 0xFF) - 127
+        exp = tl.maximum(exp, -6)  # e4m3's subnormals share the smallest normal's step
+        # the grid step 2^(exp - 3) and its inverse, built from their exponent bits
+        step = ((exp - 3 + 127) << 23).to(tl.float32, bitcast=True)
+        inv = ((127 - (exp - 3)) << 23).to(tl.float32, bitcast=True)
+        magic = 12582912.0  # 1.5 * 2^23: adding and subtracting it rounds to an integer (RNE)
+        r = tl.minimum(((tl.abs(v) * inv + magic) - magic) * step, 448.0)
+        return tl.where(bits < 0, -r, r)  # the sign kept, -0 included
+
+    @triton.jit(do_not_specialize=["num_rows"])
+    def _token_group_quant_kernel(
+        x_ptr,
+        q_ptr,
+        s_ptr,
+        num_rows,
+        K,
+        stride_x,
+        stride_q,
+        stride_s,
+        GROUP_K: tl.constexpr,
+        MIN_SCALE_AMAX: tl.constexpr,
+        USE_PDL: tl.constexpr,
+    ):
+        """q[t, g*G:(g+1)*G], s[t, g] of one (token, column group)."""
+        pdl_wait(USE_PDL)
+        t = tl.program_id(0).to(tl.int64)
+        g = tl.program_id(1)
+        offs = g * GROUP_K + tl.arange(0, GROUP_K)
+        ok = offs < K
+        x = tl.load(x_ptr + t * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(x), axis=0), MIN_SCALE_AMAX)
+        scale = amax / 448.0
+        q = _round_e4m3(tl.minimum(tl.maximum(x / scale, -448.0), 448.0))
+        tl.store(q_ptr + t * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=ok)
+        tl.store(s_ptr + t * stride_s + g, scale)
+
+    @triton.jit(do_not_specialize=["num_pairs", "num_blocks_m"])
+    def _gate_up_fp8_kernel(
+        xq_ptr,
+        xs_ptr,
+        w_ptr,
+        ws_ptr,
+        hq_ptr,
+        hs_ptr,
+        sorted_ptr,
+        block_expert_ptr,
+        npost_ptr,
+        num_pairs,
+        num_blocks_m,
+        N,
+        K,
+        stride_xt,
+        stride_xst,
+        stride_we,
+        stride_wn,
+        stride_wse,
+        stride_wsn,
+        stride_hm,
+        stride_hsm,
+        TOP_K: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        GROUP_M: tl.constexpr,
+        MIN_SCALE_AMAX: tl.constexpr,
+        USE_PDL: tl.constexpr,
+    ):
+        """hq, hs of rows [pid_m tile] x intermediate columns [pid_n tile]: silu(x @ gate.T) *
+        (x @ up.T) from FP8 x and FP8 w13, quantized per row over the tile's BLOCK_N (= the
+        scale group) columns."""
+        pdl_wait(USE_PDL)
+        pid = tl.program_id(0)
+        num_pid_n = tl.cdiv(N, BLOCK_N)
+        group = GROUP_M * num_pid_n
+        first_m = (pid // group) * GROUP_M
+        group_m = tl.minimum(num_blocks_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % group) % group_m
+        pid_n = (pid % group) // group_m
+        if pid_m * BLOCK_M >= tl.load(npost_ptr):
+            return
+        expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(sorted_ptr + rows)
+        row_ok = pair < num_pairs
+        token = (pair // TOP_K).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        offs_nw = tl.where(n_ok, offs_n, 0)
+        offs_k = tl.arange(0, BLOCK_K)
+        w_e = w_ptr + expert * stride_we
+        g_ptrs = w_e + offs_nw[None, :] * stride_wn + offs_k[:, None]
+        u_ptrs = g_ptrs + N * stride_wn
+        a_ptrs = xq_ptr + token[:, None] * stride_xt + offs_k[None, :]
+        xs_rows = xs_ptr + token * stride_xst
+        ws_e = ws_ptr + expert * stride_wse
+        gs_ptr = ws_e + pid_n * stride_wsn  # gate's tile row; up's follow gate's cdiv(N, 128)
+        us_ptr = ws_e + (num_pid_n + pid_n) * stride_wsn
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for kk in range(0, tl.cdiv(K, BLOCK_K)):
+            k_ok = offs_k < K - kk * BLOCK_K
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            bg = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
+            bu = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
+            a_s = tl.load(xs_rows + kk, mask=row_ok, other=0.0)
+            g_s = tl.load(gs_ptr + kk)
+            u_s = tl.load(us_ptr + kk)
+            acc_g += tl.dot(a, bg) * (a_s[:, None] * g_s)
+            acc_u += tl.dot(a, bu) * (a_s[:, None] * u_s)
+            a_ptrs += BLOCK_K
+            g_ptrs += BLOCK_K
+            u_ptrs += BLOCK_K
+        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        h = tl.where(n_ok[None, :], h, 0.0)
+        amax = tl.maximum(tl.max(tl.abs(h), axis=1), MIN_SCALE_AMAX)
+        scale = amax / 448.0
+        q = _round_e4m3(tl.minimum(tl.maximum(h / scale[:, None], -448.0), 448.0))
+        h_ptrs = hq_ptr + rows[:, None].to(tl.int64) * stride_hm + offs_n[None, :]
+        tl.store(h_ptrs, q.to(hq_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+        tl.store(hs_ptr + rows.to(tl.int64) * stride_hsm + pid_n, scale, mask=row_ok)
+
+    @triton.jit(do_not_specialize=["num_pairs", "num_blocks_m"])
+    def _down_fp8_kernel(
+        hq_ptr,
+        hs_ptr,
+        w_ptr,
+        ws_ptr,
+        y_ptr,
+        topk_w_ptr,
+        sorted_ptr,
+        block_expert_ptr,
+        npost_ptr,
+        num_pairs,
+        num_blocks_m,
+        N,
+        K,
+        stride_hm,
+        stride_hsm,
+        stride_we,
+        stride_wn,
+        stride_wse,
+        stride_wsn,
+        stride_ym,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        SCALE_N: tl.constexpr,
+        GROUP_M: tl.constexpr,
+        USE_PDL: tl.constexpr,
+    ):
+        """y[pair, n] = w_pair * (h[row] @ down[e].T) from the FP8 intermediate (N = hidden,
+        K = intermediate); BLOCK_N divides SCALE_N (the weight's scale rows)."""
+        pdl_wait(USE_PDL)
+        pid = tl.program_id(0)
+        num_pid_n = tl.cdiv(N, BLOCK_N)
+        group = GROUP_M * num_pid_n
+        first_m = (pid // group) * GROUP_M
+        group_m = tl.minimum(num_blocks_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % group) % group_m
+        pid_n = (pid % group) // group_m
+        if pid_m * BLOCK_M >= tl.load(npost_ptr):
+            return
+        expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(sorted_ptr + rows)
+        row_ok = pair < num_pairs
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        offs_nw = tl.where(n_ok, offs_n, 0)
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = hq_ptr + rows[:, None].to(tl.int64) * stride_hm + offs_k[None, :]
+        hs_rows = hs_ptr + rows.to(tl.int64) * stride_hsm
+        b_ptrs = w_ptr + expert * stride_we + offs_nw[None, :] * stride_wn + offs_k[:, None]
+        bs_ptr = ws_ptr + expert * stride_wse + ((pid_n * BLOCK_N) // SCALE_N) * stride_wsn
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for kk in range(0, tl.cdiv(K, BLOCK_K)):
+            k_ok = offs_k < K - kk * BLOCK_K
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+            a_s = tl.load(hs_rows + kk, mask=row_ok, other=0.0)
+            b_s = tl.load(bs_ptr + kk)
+            acc += tl.dot(a, b) * (a_s[:, None] * b_s)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
+        route_w = tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
+        y = acc * route_w[:, None]
+        y_ptrs = y_ptr + pair[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+        tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+def token_group_quant(x: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn x, float32 scale [T, ceil(K / group)]) of `x` [T, K]: per token and
+    `group` columns `scale = max|x| / 448` (`fp8_reference.token_group_quantize`'s values)."""
+    if not use_kernels(x) or x.dim() != 2 or group != next_power_of_2(group):
+        from safeserve.kernels.fp8_reference import token_group_quantize
+
+        return token_group_quantize(x, group)
+    rows, k = x.shape
+    x = x if x.stride(1) == 1 else x.contiguous()
+    groups = triton.cdiv(k, group)
+    q = torch.empty(rows, k, dtype=FP8, device=x.device)
+    s = torch.empty(rows, groups, dtype=torch.float32, device=x.device)
+    if rows == 0:
+        return q, s
+    pdl = pdl_supported(x.device)
+    _token_group_quant_kernel[(rows, groups)](
+        x,
+        q,
+        s,
+        rows,
+        k,
+        x.stride(0),
+        q.stride(0),
+        s.stride(0),
+        GROUP_K=group,
+        MIN_SCALE_AMAX=MIN_AMAX,
+        USE_PDL=pdl,
+        num_warps=4 if group >= 512 else 1,
+        launch_pdl=pdl,
+    )
+    return q, s
+
+
+def default_config(num_tokens: int, shared_bytes: int) -> dict[str, int]:
+    """Untuned tiles: rows per expert tile by token count; two pipeline stages where shared
+    memory is under 128 KiB (a stage of gate/up holds BLOCK_M x 128 + 2 x 128 x 128 bytes)."""
+    block_m = 16 if num_tokens <= 64 else 32 if num_tokens <= 512 else 64
+    stages = 3 if shared_bytes >= 128 * 1024 else 2
+    return {"BLOCK_M": block_m, "BLOCK_N2": 128, "GROUP_M": 8, "num_warps": 4, "stages": stages}
+
+
+def fused_moe_fp8(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale_inv: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale_inv: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    block: tuple[int, int] = (GROUP, GROUP),
+    config: dict[str, int] | None = None,
+) -> torch.Tensor:
+    """For every token, the routing-weighted sum over its valid top-k slots (ids >= 0) of
+    `down(silu(gate(x)) * up(x))` with block-FP8 experts and FP8 activations (W8A8): w13
+    [E, 2I, H] (gate rows, then up rows) with scales [E, 2 * ceil(I / 128), ceil(H / 128)],
+    w2 [E, H, I] with [E, ceil(H / 128), ceil(I / 128)]. Result in `hidden_states`' dtype."""
+    if not use_kernels(hidden_states) or tuple(block) != (GROUP, GROUP):
+        return grouped_experts_fp8(
+            hidden_states,
+            w13,
+            w13_scale_inv,
+            w2,
+            w2_scale_inv,
+            topk_ids,
+            topk_weights,
+            tuple(block),  # type: ignore[arg-type]
+            quantize_input=True,
+        )
+    x = hidden_states
+    num_tokens, hidden = x.shape
+    num_experts, two_i, _ = w13.shape
+    inter = two_i // 2
+    top_k = topk_ids.shape[1]
+    num_pairs = num_tokens * top_k
+    device = x.device
+    out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=device)
+    if num_tokens == 0:
+        return out
+    cfg = config or default_config(num_tokens, shared_memory_per_program(device))
+    block_m = cfg["BLOCK_M"]
+    pdl = pdl_supported(device)
+    w13 = w13 if w13.stride(2) == 1 else w13.contiguous()
+    w2 = w2 if w2.stride(2) == 1 else w2.contiguous()
+    ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
+    route_w = topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous()
+    xq, xs = token_group_quant(x)
+    sorted_ids, block_expert, npost = moe_align(ids, num_experts, block_m)
+    num_blocks = block_expert.numel()
+    rows = num_blocks * block_m
+    groups_i = triton.cdiv(inter, GROUP)
+    hq = torch.empty(rows, inter, dtype=FP8, device=device)
+    hs = torch.empty(rows, groups_i, dtype=torch.float32, device=device)
+    _gate_up_fp8_kernel[(num_blocks * groups_i,)](
+        xq,
+        xs,
+        w13,
+        w13_scale_inv,
+        hq,
+        hs,
+        sorted_ids,
+        block_expert,
+        npost,
+        num_pairs,
+        num_blocks,
+        inter,
+        hidden,
+        xq.stride(0),
+        xs.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        w13_scale_inv.stride(0),
+        w13_scale_inv.stride(1),
+        hq.stride(0),
+        hs.stride(0),
+        TOP_K=top_k,
+        BLOCK_M=block_m,
+        BLOCK_N=GROUP,
+        BLOCK_K=GROUP,
+        GROUP_M=cfg["GROUP_M"],
+        MIN_SCALE_AMAX=MIN_AMAX,
+        USE_PDL=pdl,
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["stages"],
+        launch_pdl=pdl,
+    )
+    y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=device)
+    block_n2 = cfg["BLOCK_N2"]
+    _down_fp8_kernel[(num_blocks * triton.cdiv(hidden, block_n2),)](
+        hq,
+        hs,
+        w2,
+        w2_scale_inv,
+        y,
+        route_w,
+        sorted_ids,
+        block_expert,
+        npost,
+        num_pairs,
+        num_blocks,
+        hidden,
+        inter,
+        hq.stride(0),
+        hs.stride(0),
+        w2.stride(0),
+        w2.stride(1),
+        w2_scale_inv.stride(0),
+        w2_scale_inv.stride(1),
+        y.stride(0),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n2,
+        BLOCK_K=GROUP,
+        SCALE_N=GROUP,
+        GROUP_M=cfg["GROUP_M"],
+        USE_PDL=pdl,
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["stages"],
+        launch_pdl=pdl,
+    )
+    block_n = min(1024, next_power_of_2(hidden))
+    _sum_topk_kernel[(num_tokens, triton.cdiv(hidden, block_n))](
+        y,
+        ids,
+        out,
+        num_tokens,
+        hidden,
+        y.stride(0),
+        out.stride(0),
+        TOP_K=top_k,
+        BLOCK_N=block_n,
+        USE_PDL=pdl,
+        num_warps=4,
+        launch_pdl=pdl,
+    )
+    return out
+
