@@ -6,7 +6,7 @@ format).
 Four launches of the sorted plan (the pairs sorted by expert and padded per expert to `BLOCK_M`
 rows by `moe_align`, as `fused_moe`'s sorted plan):
 
-1. `token_group_quant`: activations to FP8 per token and 128 columns, `scale = max|x| / 448`.
+1. `fp8_quant.token_group_quant`: activations to FP8 per token and 128 columns.
 2. gate/up: one row tile of one expert against 128 intermediate columns of gate and of up; in
    the K loop each 128-wide step's FP8 dot is scaled by the rows' activation scales and the two
    weight tiles' scales; the epilogue applies SiLU-and-mul and quantizes the 128 columns it holds
@@ -15,10 +15,8 @@ rows by `moe_align`, as `fused_moe`'s sorted plan):
    routing weight, one row per pair.
 4. the top-k sum of `fused_moe` (slots with id -1 skipped).
 
-The FP8 roundings are done in float32 (`_round_e4m3`: nearest, ties to even, to e4m3's 3
-mantissa bits, saturating at 448), so the stored value is exactly representable and its
-conversion exact: the quantized activations and scales equal the torch quantizer's, on a GPU and
-under Triton's CPU interpreter (whose own float-to-FP8 conversion truncates).
+The intermediate's FP8 rounding is `fp8_quant._round_e4m3` (in float32, so the conversion is
+exact, as the activation quantizer's).
 
 Tiles: BLOCK_K is the scale block's 128 columns and gate/up's BLOCK_N its 128 rows; only
 `block == (128, 128)` takes the kernels (other blocks run the torch reference). The tile sizes
@@ -38,55 +36,14 @@ from safeserve.kernels.common import (
     triton,
     use_kernels,
 )
+from safeserve.kernels.fp8_quant import GROUP, token_group_quant
 from safeserve.kernels.fp8_reference import FP8, MIN_AMAX, grouped_experts_fp8
 from safeserve.kernels.moe_align import moe_align
 
-GROUP = 128  # the scale block: 128 x 128 weight tiles, 128-column activation groups
-
 if HAS_TRITON:
     from safeserve.kernels.common import pdl_wait
+    from safeserve.kernels.fp8_quant import _round_e4m3
     from safeserve.kernels.fused_moe_kernels import _sum_topk_kernel
-
-    @triton.jit
-    def _round_e4m3(v):
-        """v (float32, |v| <= 448) rounded to the nearest float8_e4m3fn value (ties to even),
-        still as float32: exact for the conversion that follows."""
-        bits = v.to(tl.int32, bitcast=True)
-        exp = ((bits >> 23) & 0xFF) - 127
-        exp = tl.maximum(exp, -6)  # e4m3's subnormals share the smallest normal's step
-        # the grid step 2^(exp - 3) and its inverse, built from their exponent bits
-        step = ((exp - 3 + 127) << 23).to(tl.float32, bitcast=True)
-        inv = ((127 - (exp - 3)) << 23).to(tl.float32, bitcast=True)
-        magic = 12582912.0  # 1.5 * 2^23: adding and subtracting it rounds to an integer (RNE)
-        r = tl.minimum(((tl.abs(v) * inv + magic) - magic) * step, 448.0)
-        return tl.where(bits < 0, -r, r)  # the sign kept, -0 included
-
-    @triton.jit(do_not_specialize=["num_rows"])
-    def _token_group_quant_kernel(
-        x_ptr,
-        q_ptr,
-        s_ptr,
-        num_rows,
-        K,
-        stride_x,
-        stride_q,
-        stride_s,
-        GROUP_K: tl.constexpr,
-        MIN_SCALE_AMAX: tl.constexpr,
-        USE_PDL: tl.constexpr,
-    ):
-        """q[t, g*G:(g+1)*G], s[t, g] of one (token, column group)."""
-        pdl_wait(USE_PDL)
-        t = tl.program_id(0).to(tl.int64)
-        g = tl.program_id(1)
-        offs = g * GROUP_K + tl.arange(0, GROUP_K)
-        ok = offs < K
-        x = tl.load(x_ptr + t * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
-        amax = tl.maximum(tl.max(tl.abs(x), axis=0), MIN_SCALE_AMAX)
-        scale = amax / 448.0
-        q = _round_e4m3(tl.minimum(tl.maximum(x / scale, -448.0), 448.0))
-        tl.store(q_ptr + t * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=ok)
-        tl.store(s_ptr + t * stride_s + g, scale)
 
     @triton.jit(do_not_specialize=["num_pairs", "num_blocks_m"])
     def _gate_up_fp8_kernel(
@@ -242,39 +199,6 @@ if HAS_TRITON:
         tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
-def token_group_quant(x: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float8_e4m3fn x, float32 scale [T, ceil(K / group)]) of `x` [T, K]: per token and
-    `group` columns `scale = max|x| / 448` (`fp8_reference.token_group_quantize`'s values)."""
-    if not use_kernels(x) or x.dim() != 2 or group != next_power_of_2(group):
-        from safeserve.kernels.fp8_reference import token_group_quantize
-
-        return token_group_quantize(x, group)
-    rows, k = x.shape
-    x = x if x.stride(1) == 1 else x.contiguous()
-    groups = triton.cdiv(k, group)
-    q = torch.empty(rows, k, dtype=FP8, device=x.device)
-    s = torch.empty(rows, groups, dtype=torch.float32, device=x.device)
-    if rows == 0:
-        return q, s
-    pdl = pdl_supported(x.device)
-    _token_group_quant_kernel[(rows, groups)](
-        x,
-        q,
-        s,
-        rows,
-        k,
-        x.stride(0),
-        q.stride(0),
-        s.stride(0),
-        GROUP_K=group,
-        MIN_SCALE_AMAX=MIN_AMAX,
-        USE_PDL=pdl,
-        num_warps=4 if group >= 512 else 1,
-        launch_pdl=pdl,
-    )
-    return q, s
-
-
 def default_config(num_tokens: int, shared_bytes: int) -> dict[str, int]:
     """Untuned tiles: rows per expert tile by token count; two pipeline stages where shared
     memory is under 128 KiB (a stage of gate/up holds BLOCK_M x 128 + 2 x 128 x 128 bytes)."""
@@ -325,6 +249,8 @@ def fused_moe_fp8(
     pdl = pdl_supported(device)
     w13 = w13 if w13.stride(2) == 1 else w13.contiguous()
     w2 = w2 if w2.stride(2) == 1 else w2.contiguous()
+    w13_scale_inv = w13_scale_inv if w13_scale_inv.stride(2) == 1 else w13_scale_inv.contiguous()
+    w2_scale_inv = w2_scale_inv if w2_scale_inv.stride(2) == 1 else w2_scale_inv.contiguous()
     ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
     route_w = topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous()
     xq, xs = token_group_quant(x)
@@ -416,4 +342,3 @@ def fused_moe_fp8(
         launch_pdl=pdl,
     )
     return out
-

@@ -1,0 +1,153 @@
+"""Block-FP8 linear (W8A8, Triton): `fp8_linear_w8a8(x, w, scale_inv, bias)` computes what
+`fp8_reference.fp8_linear(..., quantize_input=True)` does, for a weight `[out, in]` stored as
+float8_e4m3fn with one float32 `scale_inv` per 128 x 128 tile: activations quantized per token
+and 128 columns (`fp8_quant.token_group_quant`), then one GEMM whose K loop runs in 128-wide
+steps, each step's FP8 dot scaled by the rows' activation scales and the weight tile's scale,
+bias and the cast in the epilogue.
+
+Tiles: BLOCK_K is the scale block's 128 columns and BLOCK_N divides its 128 rows (one weight
+scale per program and K step); BLOCK_M by row count. Untuned defaults, not a table. Only
+`block == (128, 128)` takes the kernel (other blocks run the torch reference).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from safeserve.kernels.common import (
+    HAS_TRITON,
+    pdl_supported,
+    shared_memory_per_program,
+    tl,
+    triton,
+    use_kernels,
+)
+from safeserve.kernels.fp8_quant import GROUP, token_group_quant
+from safeserve.kernels.fp8_reference import fp8_linear
+
+if HAS_TRITON:
+    from safeserve.kernels.common import pdl_wait
+
+    @triton.jit(do_not_specialize=["M"])
+    def _fp8_linear_kernel(
+        xq_ptr,
+        xs_ptr,
+        w_ptr,
+        ws_ptr,
+        bias_ptr,
+        out_ptr,
+        M,
+        N,
+        K,
+        stride_xm,
+        stride_xsm,
+        stride_wn,
+        stride_wsn,
+        stride_om,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        SCALE_N: tl.constexpr,
+        GROUP_M: tl.constexpr,
+        USE_PDL: tl.constexpr,
+    ):
+        """out[rows, cols] = (x @ W.T)[rows, cols] (+ bias) for one output tile."""
+        pdl_wait(USE_PDL)
+        pid = tl.program_id(0)
+        num_pid_m = tl.cdiv(M, BLOCK_M)
+        num_pid_n = tl.cdiv(N, BLOCK_N)
+        group = GROUP_M * num_pid_n
+        first_m = (pid // group) * GROUP_M
+        group_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % group) % group_m
+        pid_n = (pid % group) // group_m
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < M
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        offs_nw = tl.where(n_ok, offs_n, 0)
+        offs_k = tl.arange(0, BLOCK_K)
+        rows64 = rows.to(tl.int64)
+        a_ptrs = xq_ptr + rows64[:, None] * stride_xm + offs_k[None, :]
+        xs_rows = xs_ptr + rows64 * stride_xsm
+        b_ptrs = w_ptr + offs_nw[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+        bs_ptr = ws_ptr + ((pid_n * BLOCK_N) // SCALE_N) * stride_wsn
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for kk in range(0, tl.cdiv(K, BLOCK_K)):
+            k_ok = offs_k < K - kk * BLOCK_K
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+            a_s = tl.load(xs_rows + kk, mask=row_ok, other=0.0)
+            b_s = tl.load(bs_ptr + kk)
+            acc += tl.dot(a, b) * (a_s[:, None] * b_s)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        o_ptrs = out_ptr + rows64[:, None] * stride_om + offs_n[None, :]
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+def default_config(rows: int, shared_bytes: int) -> dict[str, int]:
+    """Untuned tiles: 16-row tiles up to 64 rows (decode), then 64 and 128; 128 output columns;
+    two pipeline stages where shared memory is under 128 KiB."""
+    block_m = 16 if rows <= 64 else 64 if rows <= 1024 else 128
+    stages = 3 if shared_bytes >= 128 * 1024 else 2
+    return {"BLOCK_M": block_m, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 4, "stages": stages}
+
+
+def fp8_linear_w8a8(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    scale_inv: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    block: tuple[int, int] = (GROUP, GROUP),
+    config: dict[str, int] | None = None,
+) -> torch.Tensor:
+    """x [..., in] @ W.T (+ bias) in x's dtype, W the block-FP8 weight `w` [out, in] with its
+    float32 `scale_inv` [ceil(out / 128), ceil(in / 128)], activations quantized per token and
+    128 columns (W8A8)."""
+    if not use_kernels(x) or tuple(block) != (GROUP, GROUP):
+        return fp8_linear(x, w, scale_inv, bias, tuple(block), quantize_input=True)  # type: ignore[arg-type]
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    m, k = x2.shape
+    n = w.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out.reshape(*lead, n)
+    w = w if w.stride(1) == 1 else w.contiguous()
+    scale_inv = scale_inv if scale_inv.stride(1) == 1 else scale_inv.contiguous()
+    xq, xs = token_group_quant(x2)
+    cfg = config or default_config(m, shared_memory_per_program(x.device))
+    assert GROUP % cfg["BLOCK_N"] == 0, "a tile's columns must lie within one weight scale row"
+    pdl = pdl_supported(x.device)
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+    _fp8_linear_kernel[grid](
+        xq,
+        xs,
+        w,
+        scale_inv,
+        bias if bias is not None else out,
+        out,
+        m,
+        n,
+        k,
+        xq.stride(0),
+        xs.stride(0),
+        w.stride(0),
+        scale_inv.stride(0),
+        out.stride(0),
+        HAS_BIAS=bias is not None,
+        BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_K=GROUP,
+        SCALE_N=GROUP,
+        GROUP_M=cfg["GROUP_M"],
+        USE_PDL=pdl,
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["stages"],
+        launch_pdl=pdl,
+    )
+    return out.reshape(*lead, n)
