@@ -19,14 +19,24 @@ The intermediate's FP8 rounding is `fp8_quant._round_e4m3` (in float32, so the c
 exact, as the activation quantizer's).
 
 Tiles: BLOCK_K is the scale block's 128 columns and gate/up's BLOCK_N its 128 rows; only
-`block == (128, 128)` takes the kernels (other blocks run the torch reference). The tile sizes
-below are untuned defaults, not a table. Every grid depends on shapes only (CUDA-graph safe).
+`block == (128, 128)` takes the kernels (other blocks run the torch reference). The rest
+(BLOCK_M, down's BLOCK_N, GROUP_M, warps, stages) come from a tile table of the layer shape and
+device (`fp8_w8a8_128x128_E.._H.._I.._<device>.json` in `configs/`, or the file
+`SAFESERVE_FUSED_MOE_FP8_CONFIG` names; `kernels/bench_fused_moe_fp8.py --sweep` writes one),
+nearest by token count, else `default_config`. Every grid depends on shapes only (CUDA-graph
+safe).
 """
 
 from __future__ import annotations
 
+import functools
+import json
+import os
+from pathlib import Path
+
 import torch
 
+from safeserve.kernels import moe_config as mc
 from safeserve.kernels.common import (
     HAS_TRITON,
     next_power_of_2,
@@ -207,6 +217,76 @@ def default_config(num_tokens: int, shared_bytes: int) -> dict[str, int]:
     return {"BLOCK_M": block_m, "BLOCK_N2": 128, "GROUP_M": 8, "num_warps": 4, "stages": stages}
 
 
+# Tile tables: token count -> config, one file per layer shape and device, named with the
+# scheme first so the bf16 tables' lookup (moe_config, by E/H/I prefix) never reads one.
+FP8_TABLE_PREFIX = "fp8_w8a8_128x128_"
+FP8_CONFIG_ENV = "SAFESERVE_FUSED_MOE_FP8_CONFIG"
+_FP8_KEYS = {"BLOCK_M", "BLOCK_N2", "GROUP_M", "num_warps", "stages"}
+
+
+def fp8_config_file_name(num_experts: int, hidden: int, inter: int, device_name: str) -> str:
+    return FP8_TABLE_PREFIX + mc.config_file_name(num_experts, hidden, inter, device_name)
+
+
+def check_fp8_config(cfg: dict[str, int], where: str) -> None:
+    """Raise mc.ConfigTableError for an entry the launcher cannot use."""
+    if not isinstance(cfg, dict):
+        raise mc.ConfigTableError(f"{where}: an entry must be an object")
+    keys = set(cfg) - {"tuned_us"}
+    if keys != _FP8_KEYS:
+        raise mc.ConfigTableError(f"{where}: keys {sorted(keys)}, expected {sorted(_FP8_KEYS)}")
+    if cfg["BLOCK_M"] not in (16, 32, 64, 128, 256):
+        raise mc.ConfigTableError(f"{where}: BLOCK_M {cfg['BLOCK_M']!r} is not 16..256")
+    if cfg["BLOCK_N2"] not in (16, 32, 64, 128):
+        raise mc.ConfigTableError(f"{where}: BLOCK_N2 {cfg['BLOCK_N2']!r} must divide 128")
+    if cfg["num_warps"] not in (1, 2, 4, 8, 16) or not 1 <= cfg["stages"] <= 8:
+        raise mc.ConfigTableError(f"{where}: num_warps or stages out of range")
+    if not isinstance(cfg["GROUP_M"], int) or cfg["GROUP_M"] < 1:
+        raise mc.ConfigTableError(f"{where}: GROUP_M must be a positive integer")
+
+
+@functools.lru_cache(maxsize=32)
+def load_fp8_table(path: str) -> dict[int, dict[str, int]] | None:
+    """Token count -> config from one JSON file (`{"configs": {...}, "meta": {...}}` or the
+    bare mapping); None when there is no such file."""
+    p = Path(path)
+    if not p.is_file():
+        return None
+    try:
+        data = json.loads(p.read_text())
+        out = {int(k): v for k, v in data.get("configs", data).items()}
+    except (ValueError, AttributeError) as e:
+        raise mc.ConfigTableError(f"{path}: not a token-count -> config table ({e})") from e
+    if not out:
+        raise mc.ConfigTableError(f"{path}: the table is empty")
+    for tokens, cfg in out.items():
+        check_fp8_config(cfg, f"{path}, {tokens} tokens")
+    return out
+
+
+def get_fp8_config(
+    num_tokens: int,
+    num_experts: int,
+    hidden: int,
+    inter: int,
+    device: torch.device,
+    config_dir: Path | str | None = None,
+) -> dict[str, int]:
+    """The tuned entry nearest by token count from `SAFESERVE_FUSED_MOE_FP8_CONFIG`'s table or
+    the shipped one of this shape and device; else `default_config`."""
+    name = mc._cuda_identity(device.index or 0)[0] if device.type == "cuda" else "cpu"
+    env = os.environ.get(FP8_CONFIG_ENV)
+    directory = Path(config_dir) if config_dir is not None else mc.CONFIG_DIR
+    path = env or str(directory / fp8_config_file_name(num_experts, hidden, inter, name))
+    table = load_fp8_table(path)
+    if env and table is None:
+        raise mc.ConfigTableError(f"{FP8_CONFIG_ENV}={env}: no such file")
+    if not table:
+        return default_config(num_tokens, shared_memory_per_program(device))
+    best = min(table, key=lambda k: (abs(k - num_tokens), k))
+    return {k: v for k, v in table[best].items() if k != "tuned_us"}
+
+
 def fused_moe_fp8(
     hidden_states: torch.Tensor,
     w13: torch.Tensor,
@@ -244,7 +324,7 @@ def fused_moe_fp8(
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=device)
     if num_tokens == 0:
         return out
-    cfg = config or default_config(num_tokens, shared_memory_per_program(device))
+    cfg = config or get_fp8_config(num_tokens, num_experts, hidden, inter, device)
     block_m = cfg["BLOCK_M"]
     pdl = pdl_supported(device)
     w13 = w13 if w13.stride(2) == 1 else w13.contiguous()

@@ -140,3 +140,39 @@ def test_gpu_fused_moe_fp8_matches_reference() -> None:
     _check_moe("cuda", torch.float32, 5e-3, CASES)
     shapes = [(1, 128, 2048, 768, 8), (7, 128, 2048, 768, 8), (300, 128, 2048, 768, 8)]
     _check_moe("cuda", torch.bfloat16, 1e-2, CASES + shapes)
+
+
+def test_fp8_tile_table_lookup(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A table nearest by token count, from the override or the shipped name; a bad table is
+    refused with the file and entry named; the bf16 tables' lookup never reads an FP8 one."""
+    import json
+
+    from safeserve.kernels import moe_config as mc
+
+    small = {"BLOCK_M": 16, "BLOCK_N2": 64, "GROUP_M": 1, "num_warps": 4, "stages": 4}
+    large = {"BLOCK_M": 64, "BLOCK_N2": 128, "GROUP_M": 8, "num_warps": 8, "stages": 3}
+    name = f8.fp8_config_file_name(128, 2048, 768, "cpu")
+    assert name == "fp8_w8a8_128x128_E128_H2048_I768_cpu.json"
+    table = {"configs": {"1": {**small, "tuned_us": 30.0}, "1024": large}, "meta": {}}
+    (tmp_path / name).write_text(json.dumps(table))
+    cpu = torch.device("cpu")
+    assert f8.get_fp8_config(3, 128, 2048, 768, cpu, tmp_path) == small
+    assert f8.get_fp8_config(900, 128, 2048, 768, cpu, tmp_path) == large
+    # no table of this shape: the defaults
+    assert f8.get_fp8_config(3, 64, 2048, 768, cpu, tmp_path)["BLOCK_M"] == 16
+    override = tmp_path / "mine.json"
+    override.write_text(json.dumps({"8": large}))
+    monkeypatch.setenv(f8.FP8_CONFIG_ENV, str(override))
+    assert f8.get_fp8_config(3, 64, 2048, 768, cpu) == large
+    monkeypatch.setenv(f8.FP8_CONFIG_ENV, str(tmp_path / "missing.json"))
+    with pytest.raises(mc.ConfigTableError, match="no such file"):
+        f8.get_fp8_config(3, 64, 2048, 768, cpu)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"8": {**large, "BLOCK_N2": 256}}))
+    with pytest.raises(mc.ConfigTableError, match="bad.json, 8 tokens: BLOCK_N2 256"):
+        f8.load_fp8_table(str(bad))
+    # a bf16 table of the same shape beside it is still what the bf16 lookup finds
+    bf16 = {"configs": {"1": mc.default_config(1, 128, 8)}, "meta": {"capability": "9.0"}}
+    (tmp_path / mc.config_file_name(128, 2048, 768, "NVIDIA H100")).write_text(json.dumps(bf16))
+    found = mc.same_capability_table(str(tmp_path), 128, 2048, 768, "9.0")
+    assert found is not None and set(found) == {1}
