@@ -15,7 +15,7 @@ steps, and the digest lets a client or the canary check that without the vocabul
 
 from __future__ import annotations
 
-import hashlib
+import functools
 from collections.abc import Callable
 
 import torch
@@ -24,6 +24,8 @@ from safeserve.engine.plan import SeqPlan
 from safeserve.kernels.common import batch_invariant
 from safeserve.messages import TokenLogprob
 
+# Seeds the per-position multipliers of the logits digest (changing it changes every digest).
+DIGEST_SEED = 0x5AFE5E
 # Rows of prompt logits computed at once: [256, 152k] float32 is 150 MiB.
 PROMPT_ROWS_PER_SLICE = 256
 
@@ -56,9 +58,22 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], tops: list[int]) -> 
 
 
 def logits_digests(logits: torch.Tensor) -> list[str]:
-    """Per row of `logits` [n, V]: BLAKE2b (8 bytes, hex) of its float32 values' bytes."""
-    rows = logits.to(torch.float32).cpu().contiguous().numpy()
-    return [hashlib.blake2b(row.tobytes(), digest_size=8).hexdigest() for row in rows]
+    """Per row of `logits` [n, V], 16 hex digits: the sum over positions j of the float32 bit
+    pattern of logit j times a fixed odd 64-bit multiplier of j, modulo 2^64. Computed where
+    the logits are (one reduction; no vocabulary-sized copy to the host); integer sums do not
+    depend on their order, so the digest is the same on every device. Any one logit changed
+    (by one ulp, or only its sign of zero) changes it; two changes cancel with probability
+    about 2^-64."""
+    bits = logits.to(torch.float32).contiguous().view(torch.int32).to(torch.int64)
+    sums = (bits * _multipliers(bits.shape[-1], bits.device)).sum(dim=-1)
+    return [f"{v & 0xFFFFFFFFFFFFFFFF:016x}" for v in sums.tolist()]
+
+
+@functools.cache
+def _multipliers(vocab: int, device: torch.device) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(DIGEST_SEED)
+    odd = torch.randint(-(2**61), 2**61, (vocab,), generator=gen, dtype=torch.int64) * 2 + 1
+    return odd.to(device)
 
 
 def prompt_rows(seqs: list[SeqPlan]) -> list[tuple[int, int, int]]:

@@ -69,3 +69,13 @@ def test_completion_and_chat_logprobs_carry_the_digests(tok) -> None:  # type: i
     chat = chat_logprobs(tok, 1, [65, 66], [lps[0], lps[1]])["content"]
     assert [c[DIGEST] for c in chat] == ["00000000000000aa", "00000000000000bb"]
     assert DIGEST not in chat_logprobs(tok, 1, [67], [TokenLogprob(67, -2.0)])["content"][0]
+
+
+def test_a_digest_sees_the_sign_of_zero_and_does_not_depend_on_the_row_layout() -> None:
+    rows = torch.zeros(2, 300)
+    rows[1, 5] = -0.0
+    a, b = logits_digests(rows)
+    assert a != b  # bit-exact: -0.0 is another logit than 0.0
+    wide = torch.randn(4, 600, generator=seeded(2))
+    # a strided view hashes as its values: the same as a contiguous copy
+    assert logits_digests(wide[:, ::2]) == logits_digests(wide[:, ::2].contiguous())
