@@ -319,9 +319,47 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _options(parser: argparse.ArgumentParser) -> set[str]:
+    """Every option string of `parser` and of its nested subcommands (`oncall get ...`)."""
+    out = set(parser._option_string_actions)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for nested in action.choices.values():
+                out |= _options(nested)
+    return out
+
+
+def _flag_of_another_command(parser: argparse.ArgumentParser, argv: list[str]) -> str | None:
+    """A message when `argv` gives a subcommand a flag only another subcommand has (`serve
+    --node-rank`: the node agent's), instead of argparse's bare "unrecognized arguments"."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    if not argv or argv[0] not in sub.choices:
+        return None
+    own = _options(sub.choices[argv[0]])
+    for a in argv[1:]:
+        name = a.split("=", 1)[0]
+        if not name.startswith("--") or name in own:
+            continue
+        others = [c for c, p in sub.choices.items() if name in _options(p)]
+        if others:
+            where = " and ".join(f"`safeserve {c}`" for c in others)
+            return f"{name} is a flag of {where}, not of `safeserve {argv[0]}`" + (
+                " (the node agent that runs a group's ranks on its host; the frontend takes "
+                "--placement remote and --nnodes: docs/nodes.md)"
+                if others == ["node"]
+                else ""
+            )
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
+    parser = build_parser(argv)
+    wrong = _flag_of_another_command(parser, sys.argv[1:] if argv is None else argv)
+    if wrong is not None:
+        print(f"safeserve: error: {wrong}", file=sys.stderr)
+        return 2
     try:
-        ns = build_parser(argv).parse_args(argv)  # --help prints here
+        ns = parser.parse_args(argv)  # --help prints here
     except BrokenPipeError:
         return _reader_gone()
     if ns.func is _serve:

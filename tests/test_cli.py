@@ -87,6 +87,12 @@ def test_help_lists_grouped_flags() -> None:
             + ["--enable-deterministic-inference"],
             "--enable-deterministic-inference: deepseek_v3 keeps a latent (MLA) cache",
         ),
+        # the node agent's flags given to the frontend: where they belong
+        (
+            ["--nnodes", "2", "--node-rank", "1"],
+            "--node-rank is a flag of `safeserve node`, not of `safeserve serve` (the node agent",
+        ),
+        (["--dist-init-addr=10.0.0.1:5000"], "--dist-init-addr is a flag of `safeserve node`"),
     ],
 )
 def test_bad_flags_exit_non_zero_with_one_line(args: list[str], message: str) -> None:
