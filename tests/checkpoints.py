@@ -71,7 +71,10 @@ def write_checkpoint(
     )
     full.update(params)
     config = getattr(transformers, f"{family}Config")(**full)
-    seed_all(seed)
+    if getattr(init, "calibrated", False):
+        torch.manual_seed(seed)  # the run's seed offset does not apply (see `skew_router`)
+    else:
+        seed_all(seed)
     model = getattr(transformers, f"{family}ForCausalLM")(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -120,7 +123,12 @@ FAVOURED_EXPERTS = {0: 0.2, 1: 0.25}
 def skew_router(model: Any) -> None:
     """A `write_checkpoint` init for a Qwen3-MoE model: every token's hidden state gets a shared
     direction (dimension 0 of the embeddings) that the routers score high for
-    FAVOURED_EXPERTS, so most tokens pick them, as a trained model's router favours a few."""
+    FAVOURED_EXPERTS, so most tokens pick them, as a trained model's router favours a few.
+
+    How strongly depends on the random weights around it: on other draws the other dimensions'
+    common part outweighs the shared direction and the favoured experts get almost no tokens
+    (the EPLB tests' balancedness bounds then mean nothing). So checkpoints written with this
+    init keep their own seed: `SAFESERVE_TEST_SEED` does not move it (`calibrated`)."""
     import torch
 
     with torch.no_grad():
@@ -130,6 +138,9 @@ def skew_router(model: Any) -> None:
                 layer.mlp.gate.weight[:, 0] = 0.0
                 for e, w in FAVOURED_EXPERTS.items():
                     layer.mlp.gate.weight[e, 0] = w
+
+
+skew_router.calibrated = True  # type: ignore[attr-defined]
 
 
 def greedy_continuations(

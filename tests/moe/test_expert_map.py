@@ -346,10 +346,10 @@ def test_routing_spreads_an_experts_tokens_over_its_candidates(source: int | Non
     gate = layers[0].gate
     assert gate.logical_to_physical.tolist() == [0, 1, 2, 3]  # the kernels map nothing
     gen = seeded(0)
-    with torch.no_grad():  # every token picks experts 0 and 3
-        gate.weight.copy_(torch.randn(4, 8, generator=gen))
-        gate.weight[0] += 50.0
-        gate.weight[3] += 49.0
+    with torch.no_grad():  # every token picks experts 0 and 3, in that order: 0's logit leads
+        gate.weight.copy_(torch.randn(4, 8, generator=gen))  # by 40 (8 columns of 5) against
+        gate.weight[0] += 50.0  # the random rows' spread (std about 4 between two rows)
+        gate.weight[3] += 45.0
     hidden = torch.ones(5, 8) + 0.01 * torch.randn(5, 8, generator=gen)
     ids = gate(hidden).topk_ids
     shares = [0, 0, 0, 1, 1]  # 5 tokens over 2 ranks: 3 and 2
@@ -380,8 +380,9 @@ def test_an_experts_pairs_take_its_candidates_in_turn_whatever_their_token_index
     gate = layers[0].gate
     gen = seeded(2)
     logical = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(12)])
-    logical[::2, 0] = 3  # expert 3 at every even index
-    logical[::2, 1] = torch.where(logical[::2, 1] == 3, 2, logical[::2, 1])
+    logical[::2, 0] = 3  # expert 3 at every even index, and only there: the turns below count
+    logical[::2, 1] = torch.where(logical[::2, 1] == 3, 2, logical[::2, 1])  # its pairs alone
+    logical[1::2] = torch.stack([torch.randperm(3, generator=gen)[:2] for _ in range(6)])
     ids = spread_ids(logical, gate.spread, gate.spread_count)
     shares = [range(12)] if source is not None else [range(6), range(6, 12)]
     for s, rows in enumerate(shares):
