@@ -1092,10 +1092,6 @@ def chaos_fault(f: dict[str, Any]) -> str:
     return text
 
 
-def _share(v: float | None) -> str:
-    return "–" if v is None else f"{100 * v:.1f} %"
-
-
 def chaos_render(chosen: dict[str, Result]) -> list[str]:
     out = ["### Chaos runs (`safeserve chaos run chaos/<scenario>.toml`)", ""]
     out += ["One file per scenario, the newest of each.", ""]
@@ -1134,7 +1130,7 @@ def chaos_render(chosen: dict[str, Result]) -> list[str]:
                 f"[{scen}](results/{r.name})",
                 r.date,
                 f"{req['sent']:,} / {req['failed']} / {req['lost']}",
-                _share(req.get("consistent")) + " / " + _share(req.get("reference_equal")),
+                pct(req.get("consistent")) + " / " + pct(req.get("reference_equal")),
                 faults or "–",
                 ", ".join(growth) or "–",
                 "; ".join(missed) or "none",

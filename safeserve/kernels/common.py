@@ -164,5 +164,16 @@ if HAS_TRITON:
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
 
+    @triton.jit
+    def grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+        """(pid_m, pid_n) of program `pid` over a num_pid_m x num_pid_n grid of output tiles,
+        in groups of GROUP_M row tiles that walk their column tiles together (row tiles of one
+        group share each weight tile while it is in L2)."""
+        group = GROUP_M * num_pid_n
+        first_m = (pid // group) * GROUP_M
+        group_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+        return first_m + (pid % group) % group_m, (pid % group) // group_m
+
 else:  # pragma: no cover - exercised where Triton is missing
     pdl_wait = None
+    grouped_tile = None

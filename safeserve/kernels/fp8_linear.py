@@ -26,7 +26,7 @@ from safeserve.kernels.fp8_quant import GROUP, token_group_quant
 from safeserve.kernels.fp8_reference import fp8_linear
 
 if HAS_TRITON:
-    from safeserve.kernels.common import pdl_wait
+    from safeserve.kernels.common import grouped_tile, pdl_wait
 
     @triton.jit(do_not_specialize=["M"])
     def _fp8_linear_kernel(
@@ -57,11 +57,7 @@ if HAS_TRITON:
         pid = tl.program_id(0)
         num_pid_m = tl.cdiv(M, BLOCK_M)
         num_pid_n = tl.cdiv(N, BLOCK_N)
-        group = GROUP_M * num_pid_n
-        first_m = (pid // group) * GROUP_M
-        group_m = tl.minimum(num_pid_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % group) % group_m
-        pid_n = (pid % group) // group_m
+        pid_m, pid_n = grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < M
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -393,20 +393,27 @@ class MoeLaunch:
         )
 
     def sum_topk(self) -> None:
-        y, out = self.y, self.out
-        assert y is not None, "align() first"
-        block_n = min(1024, next_power_of_2(self.hidden))
-        _sum_topk_kernel[(self.num_tokens, triton.cdiv(self.hidden, block_n))](
-            y,
-            self.ids,
-            out,
-            self.num_tokens,
-            self.hidden,
-            y.stride(0),
-            out.stride(0),
-            TOP_K=self.top_k,
-            BLOCK_N=block_n,
-            USE_PDL=self.pdl,
-            num_warps=4,
-            launch_pdl=self.pdl,
-        )
+        assert self.y is not None, "align() first"
+        sum_topk(self.y, self.ids, self.out, self.pdl)
+
+
+def sum_topk(y: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, pdl: bool) -> None:
+    """out[t] = the sum of y's rows t*k .. t*k+k-1 whose slot id is >= 0 (one row per (token,
+    slot) pair; ids [T, k]), accumulated in float32: the sorted plans' last launch."""
+    num_tokens, top_k = ids.shape
+    hidden = out.shape[1]
+    block_n = min(1024, next_power_of_2(hidden))
+    _sum_topk_kernel[(num_tokens, triton.cdiv(hidden, block_n))](
+        y,
+        ids,
+        out,
+        num_tokens,
+        hidden,
+        y.stride(0),
+        out.stride(0),
+        TOP_K=top_k,
+        BLOCK_N=block_n,
+        USE_PDL=pdl,
+        num_warps=4,
+        launch_pdl=pdl,
+    )

@@ -39,7 +39,6 @@ import torch
 from safeserve.kernels import moe_config as mc
 from safeserve.kernels.common import (
     HAS_TRITON,
-    next_power_of_2,
     pdl_supported,
     shared_memory_per_program,
     tl,
@@ -48,12 +47,12 @@ from safeserve.kernels.common import (
 )
 from safeserve.kernels.fp8_quant import GROUP, token_group_quant
 from safeserve.kernels.fp8_reference import FP8, MIN_AMAX, grouped_experts_fp8
+from safeserve.kernels.fused_moe import sum_topk
 from safeserve.kernels.moe_align import moe_align
 
 if HAS_TRITON:
-    from safeserve.kernels.common import pdl_wait
+    from safeserve.kernels.common import grouped_tile, pdl_wait
     from safeserve.kernels.fp8_quant import _round_e4m3
-    from safeserve.kernels.fused_moe_kernels import _sum_topk_kernel
 
     @triton.jit(do_not_specialize=["num_pairs", "num_blocks_m"])
     def _gate_up_fp8_kernel(
@@ -92,11 +91,7 @@ if HAS_TRITON:
         pdl_wait(USE_PDL)
         pid = tl.program_id(0)
         num_pid_n = tl.cdiv(N, BLOCK_N)
-        group = GROUP_M * num_pid_n
-        first_m = (pid // group) * GROUP_M
-        group_m = tl.minimum(num_blocks_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % group) % group_m
-        pid_n = (pid % group) // group_m
+        pid_m, pid_n = grouped_tile(pid, num_blocks_m, num_pid_n, GROUP_M)
         if pid_m * BLOCK_M >= tl.load(npost_ptr):
             return
         expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
@@ -174,11 +169,7 @@ if HAS_TRITON:
         pdl_wait(USE_PDL)
         pid = tl.program_id(0)
         num_pid_n = tl.cdiv(N, BLOCK_N)
-        group = GROUP_M * num_pid_n
-        first_m = (pid // group) * GROUP_M
-        group_m = tl.minimum(num_blocks_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % group) % group_m
-        pid_n = (pid % group) // group_m
+        pid_m, pid_n = grouped_tile(pid, num_blocks_m, num_pid_n, GROUP_M)
         if pid_m * BLOCK_M >= tl.load(npost_ptr):
             return
         expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
@@ -283,8 +274,7 @@ def get_fp8_config(
         raise mc.ConfigTableError(f"{FP8_CONFIG_ENV}={env}: no such file")
     if not table:
         return default_config(num_tokens, shared_memory_per_program(device))
-    best = min(table, key=lambda k: (abs(k - num_tokens), k))
-    return {k: v for k, v in table[best].items() if k != "tuned_us"}
+    return {k: v for k, v in mc.nearest_config(table, num_tokens).items() if k != "tuned_us"}
 
 
 def fused_moe_fp8(
@@ -406,19 +396,5 @@ def fused_moe_fp8(
         num_stages=cfg["stages"],
         launch_pdl=pdl,
     )
-    block_n = min(1024, next_power_of_2(hidden))
-    _sum_topk_kernel[(num_tokens, triton.cdiv(hidden, block_n))](
-        y,
-        ids,
-        out,
-        num_tokens,
-        hidden,
-        y.stride(0),
-        out.stride(0),
-        TOP_K=top_k,
-        BLOCK_N=block_n,
-        USE_PDL=pdl,
-        num_warps=4,
-        launch_pdl=pdl,
-    )
+    sum_topk(y, ids, out, pdl)
     return out

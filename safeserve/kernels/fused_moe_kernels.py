@@ -6,7 +6,7 @@ top-k sum of the sorted plan. Defined only where Triton is installed.
 
 from __future__ import annotations
 
-from safeserve.kernels.common import HAS_TRITON, pdl_wait, tl, triton
+from safeserve.kernels.common import HAS_TRITON, grouped_tile, pdl_wait, tl, triton
 
 if HAS_TRITON:
 
@@ -94,11 +94,7 @@ if HAS_TRITON:
             pid_m = pid % num_blocks_m
             pid_n = pid // num_blocks_m
         else:
-            group = GROUP_M * num_pid_n
-            first_m = (pid // group) * GROUP_M
-            group_m = tl.minimum(num_blocks_m - first_m, GROUP_M)
-            pid_m = first_m + (pid % group) % group_m
-            pid_n = (pid % group) // group_m
+            pid_m, pid_n = grouped_tile(pid, num_blocks_m, num_pid_n, GROUP_M)
         offs_r = tl.arange(0, BLOCK_M)
         if PAIR_MODE:
             expert = tl.load(ids_ptr + pid_m).to(tl.int32)
@@ -184,11 +180,7 @@ if HAS_TRITON:
         pdl_wait(USE_PDL)
         pid = tl.program_id(0)
         num_pid_n = tl.cdiv(N, BLOCK_N)
-        group = GROUP_M * num_pid_n
-        first_m = (pid // group) * GROUP_M
-        group_m = tl.minimum(num_blocks_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % group) % group_m
-        pid_n = (pid % group) // group_m
+        pid_m, pid_n = grouped_tile(pid, num_blocks_m, num_pid_n, GROUP_M)
         if pid_m * BLOCK_M >= tl.load(npost_ptr):
             return
         expert = tl.load(block_expert_ptr + pid_m)
