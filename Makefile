@@ -16,14 +16,16 @@ LINT_PATHS := $(wildcard safeserve tests kernels)
 # tests run). Its tests: test_interpreter_* and paged attention's decode/store/prefill kernel tests,
 # and two parallel layouts' logits against transformers with every kernel on the engine's path
 # (tensor-parallel attention over sharded heads; data-parallel attention with the all-to-all),
-# and the FP8 KV cache's logits (one rank and tp2-ep2-alltoall) with the kernels' FP8 stores.
+# the FP8 KV cache's logits (one rank and tp2-ep2-alltoall) with the kernels' FP8 stores, and
+# block-FP8 weights through the model runner on the W8A8 kernels.
 # Without a GPU, Triton and a NumPy below 2.4 go into a folder of their own on that run's
 # PYTHONPATH only: Triton 3.6's interpreter fails on NumPy 2.4 (the tests also pass under 3.9's), the
 # package pins neither, and the normal run keeps a CPU user's install (no Triton, newest NumPy).
 # Where a GPU is found nothing is installed: the CUDA build of torch pins its own Triton.
 TRITON_INTERP ?= triton==3.6.0 "numpy<2.4"
 INTERP_SITE := $(VENV)/triton-interpreter
-INTERP_TESTS ?= tests/kernels tests/engine/test_layouts.py tests/engine/test_fp8_kv.py -m "not gpu" \
+INTERP_TESTS ?= tests/kernels tests/engine/test_layouts.py tests/engine/test_fp8_kv.py \
+  tests/engine/test_fp8_weights_kernels.py -m "not gpu" \
   -k "interpreter or decode_kernel or store_kernel or prefill_kernel or tp2-ep1-none] or tp2-ep2-alltoall-dp or fp8_cache_logits or fp8_cache_tp2"
 # --min-passed: these tests skip where Triton is missing, and a run that only skipped must fail.
 INTERP_RUN = $(PY) -m pytest -q --min-passed=1 $(INTERP_TESTS)

@@ -1,6 +1,6 @@
 """Checks every model family's tests share: our model's logits through the paged KV cache
 against transformers', the checkpoints of the families' variants, broken copies of a checkpoint
-for the start-up check, and an engine on dummy weights."""
+for the start-up check, an engine on dummy weights, and a small model runner."""
 
 from __future__ import annotations
 
@@ -144,3 +144,23 @@ def assert_check_names(good: Path, tmp_path: Path, name: str, edit: str) -> None
     match = f"no tensor '{name}'" if edit == "drop" else f"{name}: checkpoint shape"
     with pytest.raises(LoadError, match=match):
         check_checkpoint(str(ckpt), load_model_config(str(ckpt)))
+
+
+def small_runner(model: Path, device: str, dtype: str, graphs: bool) -> Any:
+    """A `ModelRunner` of `model` sized for a few short sequences: 64 blocks of 4 tokens, up to
+    8 running, CUDA graphs (where `graphs`) for batches up to 4."""
+    from safeserve.config import ServerArgs
+    from safeserve.engine.model_runner import ModelRunner
+
+    args = ServerArgs(
+        model=str(model),
+        device=device,
+        dtype=dtype,
+        num_kv_blocks=64,
+        block_size=4,
+        max_model_len=64,
+        max_running_requests=8,
+        cuda_graph_max_bs=4,
+        disable_cuda_graph=not graphs,
+    )
+    return ModelRunner(args)

@@ -6,14 +6,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from safeserve.kernels.common import use_kernels
+from safeserve.kernels.fp8_linear import fp8_linear_w8a8
+from safeserve.kernels.fp8_quant import GROUP
 from safeserve.kernels.fp8_reference import FP8, fp8_linear
 from safeserve.kernels.linear import linear
 
 
 class BlockFp8Linear(nn.Module):
     """A linear whose weight `[out, in]` is float8_e4m3fn with a float32 scale per `block` tile
-    (`weight_scale_inv` [ceil(out / b0), ceil(in / b1)]), computed W8A8 by the torch reference
-    (`safeserve.kernels.fp8_reference`, activations in high precision on CPU)."""
+    (`weight_scale_inv` [ceil(out / b0), ceil(in / b1)]). Where the Triton kernels run (CUDA, or
+    the interpreter) and the block is 128 x 128: W8A8 (`kernels.fp8_linear`, activations
+    quantized per token and 128 columns); elsewhere the torch reference with activations in high
+    precision (`kernels.fp8_reference`, W8A16: the CPU path)."""
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool, block: tuple[int, int]
@@ -36,6 +41,8 @@ class BlockFp8Linear(nn.Module):
             return cls(m.in_features, m.out_features, m.bias is not None, block)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_kernels(x) and self.block == (GROUP, GROUP):
+            return fp8_linear_w8a8(x, self.weight, self.weight_scale_inv, self.bias)
         return fp8_linear(x, self.weight, self.weight_scale_inv, self.bias, self.block)
 
 

@@ -24,7 +24,7 @@ from safeserve.model.base import CausalLM
 from safeserve.model.checkpoint import TINY_CONFIG as TINY_CONFIG  # re-exported
 from safeserve.model.checkpoint import LoadError, _Checkpoint, load_model_config
 from safeserve.model.checkpoint import check_checkpoint as check_checkpoint  # re-exported
-from safeserve.model.quant import FP8_DTYPE, SCALE_SUFFIX, check_device, weight_name
+from safeserve.model.quant import FP8_DTYPE, SCALE_SUFFIX, weight_name
 from safeserve.model.sharding import routing_source
 from safeserve.model.spec import ExpertSlice, ExpertSource, Slice, WeightSpec, WeightSpecs
 from safeserve.moe.dispatch.base import Dispatcher
@@ -51,7 +51,6 @@ def build_model(
     """This rank's shard of the model, with its weights filled (`quantization`: as
     `--quantization`)."""
     cfg = load_model_config(model, quantization)
-    check_device(cfg.quant, torch.device(device).type)
     layout = layout or Layout()
     comm = comm or Comm(layout, torch.device(device))
     torch_dtype = DTYPES[dtype]

@@ -116,8 +116,11 @@ def scale_spec(spec: WeightSpec, block: tuple[int, int]) -> WeightSpec:
 
 
 def check_device(quant: Fp8Config | None, device: str) -> None:
-    """FP8 weights run on the torch reference path, which has no CUDA kernels or graphs yet."""
+    """`serve` runs FP8 weights on CPU only: on CUDA the model runs them on the Triton W8A8
+    kernels (`bench` and in-process engines do), which are not yet validated against their
+    reference on a GPU (tests/engine/test_fp8_weights_kernels.py's CUDA cases)."""
     if quant is not None and device != "cpu":
         raise ModelConfigError(
-            f"FP8 weights run on --device cpu only for now (got --device {device})"
+            f"FP8 weights are served on --device cpu only for now (got --device {device}): their "
+            "CUDA kernels are not validated on a GPU yet; `safeserve bench` runs them"
         )

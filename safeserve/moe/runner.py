@@ -2,7 +2,9 @@
 
 On CUDA the experts run as the Triton fused MoE (`safeserve.kernels.fused_moe`: no host sync,
 CUDA-graph safe); elsewhere, the torch path below, which is also that kernel's test oracle.
-Block-FP8 experts run the torch reference of `safeserve.kernels.fp8_reference`.
+Block-FP8 experts with 128 x 128 blocks run the W8A8 fused MoE (`kernels.fused_moe_fp8`) where
+the Triton kernels run (CUDA, or the interpreter); elsewhere, and for other blocks, the torch
+reference of `kernels.fp8_reference` (activations in high precision).
 """
 
 from __future__ import annotations
@@ -10,7 +12,10 @@ from __future__ import annotations
 import torch
 
 from safeserve.kernels import fused_moe as fm
+from safeserve.kernels.common import use_kernels
+from safeserve.kernels.fp8_quant import GROUP
 from safeserve.kernels.fp8_reference import FP8, grouped_experts_fp8
+from safeserve.kernels.fused_moe_fp8 import fused_moe_fp8
 from safeserve.kernels.moe_reference import grouped_experts_torch
 from safeserve.moe.dispatch.base import CombineInput, DispatchOutput
 
@@ -48,6 +53,17 @@ class ExpertRunner(torch.nn.Module):
         self.block = block
 
     def forward(self, d: DispatchOutput) -> CombineInput:
+        if self.block == (GROUP, GROUP) and use_kernels(d.hidden_states):
+            y = fused_moe_fp8(
+                d.hidden_states,
+                self.w13,
+                self.w13_scale_inv,
+                self.w2,
+                self.w2_scale_inv,
+                d.topk_weights,
+                d.topk_ids,
+            )
+            return CombineInput(y, d.handle)
         if self.block is not None:
             ws = d.workspace
             out = ws.expert_out[: d.hidden_states.shape[0]] if ws is not None else None

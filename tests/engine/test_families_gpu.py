@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from model_checks import small_runner
 from seeds import seeded
 
-from safeserve.config import ServerArgs
 from safeserve.engine.plan import SeqPlan, StepPlan
 from safeserve.messages import SamplingParams
 
@@ -46,23 +46,6 @@ def checkpoint(request, tmp_path_factory) -> Path:  # type: ignore[no-untyped-de
     return _write(request.param, tmp_path_factory.mktemp(request.param))
 
 
-def _runner(model: Path, device: str, dtype: str, graphs: bool):  # type: ignore[no-untyped-def]
-    from safeserve.engine.model_runner import ModelRunner
-
-    args = ServerArgs(
-        model=str(model),
-        device=device,
-        dtype=dtype,
-        num_kv_blocks=64,
-        block_size=4,
-        max_model_len=64,
-        max_running_requests=8,
-        cuda_graph_max_bs=4,
-        disable_cuda_graph=not graphs,
-    )
-    return ModelRunner(args)
-
-
 def _trace(runner, forced: list[list[int]] | None = None):  # type: ignore[no-untyped-def]
     """Three prompts prefilled together, then 10 steps of decodes, with one mixed step; the
     logits of every step and the tokens fed back (the greedy ones, or `forced`, so that two
@@ -88,8 +71,8 @@ def _trace(runner, forced: list[list[int]] | None = None):  # type: ignore[no-un
 
 @pytest.mark.parametrize("graphs", [False, True])
 def test_family_on_cuda_matches_cpu_float32(checkpoint: Path, graphs: bool) -> None:
-    ref, _ = _trace(_runner(checkpoint, "cpu", "float32", False))
-    cuda = _runner(checkpoint, "cuda", "float32", graphs)
+    ref, _ = _trace(small_runner(checkpoint, "cpu", "float32", False))
+    cuda = small_runner(checkpoint, "cuda", "float32", graphs)
     # every family's steps run as CUDA graphs where they are on (none ran eagerly instead)
     assert (cuda.cuda_graphs is not None) == graphs
     assert (cuda.piecewise is not None) == graphs
@@ -100,8 +83,8 @@ def test_family_on_cuda_matches_cpu_float32(checkpoint: Path, graphs: bool) -> N
 
 
 def test_family_bfloat16_close_to_float32(checkpoint: Path) -> None:
-    ref, fed = _trace(_runner(checkpoint, "cuda", "float32", False))
-    got, _ = _trace(_runner(checkpoint, "cuda", "bfloat16", True), forced=fed)
+    ref, fed = _trace(small_runner(checkpoint, "cuda", "float32", False))
+    got, _ = _trace(small_runner(checkpoint, "cuda", "bfloat16", True), forced=fed)
     errors = []
     for a, b in zip(got, ref, strict=True):
         assert not a.isnan().any()
