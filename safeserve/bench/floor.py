@@ -132,7 +132,7 @@ class ModelBytes:
 
     dense: int  # every weight except the experts and the embedding table
     embed_row: int  # one embedding row (a step reads B of them)
-    expert: int  # one expert of one layer (gate + up + down)
+    expert: int  # one expert of one layer (gate + up + down; and their scales if block FP8)
     kv_token: int  # one token's cache entries over all layers (K and V, or MLA's latent)
 
     @staticmethod
@@ -143,8 +143,11 @@ class ModelBytes:
         for layer in model.layers:
             if layer.is_moe:
                 ex = layer.mlp.experts
-                expert_ids.update({id(ex.w13), id(ex.w2)})
-                expert_bytes = (ex.w13[0].numel() + ex.w2[0].numel()) * ex.w13.element_size()
+                # block-FP8 experts: their float32 tile scales are read with them
+                scales = [ex.w13_scale_inv, ex.w2_scale_inv] if ex.block is not None else []
+                held = [ex.w13, ex.w2, *scales]
+                expert_ids.update(id(p) for p in held)
+                expert_bytes = sum(p[0].numel() * p.element_size() for p in held)
         embed = model.embed_tokens.weight
         tied = model.lm_head.weight is embed
         dense = 0

@@ -11,14 +11,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from safeserve.model.config import ModelConfig
+from safeserve.model.config import FP8_BLOCK, ModelConfig
+from safeserve.model.quant import scale_spec
 from safeserve.model.registry import kv_spec, weight_specs
 from safeserve.model.spec import ExpertSlice, Slice, WeightSpec
 from safeserve.parallel.layout import Layout
 
 QUANTIZATIONS = ("none", "fp8")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # fp8 and fp8_e4m3: serve's one FP8 cache
-FP8_BLOCK = 128  # the block of block-quantized FP8 weights (one float32 scale each)
 EMBED = "embed_tokens.weight"
 
 
@@ -48,11 +48,11 @@ def fp8_quantized(spec: WeightSpec) -> bool:
     return spec.linear and not spec.dequantize_fp8
 
 
-def fp8_bytes(shape: list[int]) -> int:
-    """A matrix (or a stack of them) in FP8 with one float32 scale per 128 x 128 block."""
-    *stack, rows, cols = shape
-    blocks = math.ceil(rows / FP8_BLOCK) * math.ceil(cols / FP8_BLOCK)
-    return math.prod(stack) * (rows * cols + 4 * blocks)
+def fp8_bytes(spec: WeightSpec) -> int:
+    """The piece of `spec` a rank holds in FP8, with its float32 block scales as the loader
+    holds them (`model/quant.py: scale_spec`: one per 128 x 128 tile, w13's gate and up each
+    tiled on their own)."""
+    return held_numel(spec) + 4 * held_numel(scale_spec(spec, FP8_BLOCK))
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ class ModelFacts:
         fp8 = self.quantization == "fp8" or self.cfg.quant is not None  # flag or checkpoint
         for name, spec in specs.items():
             if fp8 and fp8_quantized(spec):
-                n = fp8_bytes(held_shape(spec))
+                n = fp8_bytes(spec)
             else:
                 n = held_numel(spec) * (4 if spec.float32 else self.itemsize)
             total += n

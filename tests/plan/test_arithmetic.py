@@ -95,11 +95,18 @@ def test_union_equals_sampled_uniform_routing(tokens: int) -> None:
 
 def test_fp8_bytes_by_hand() -> None:
     from safeserve.model.checkpoint import load_model_config
+    from safeserve.model.spec import ExpertSlice, ExpertSource, Slice, WeightSpec
     from safeserve.parallel.layout import Layout
     from safeserve.plan.model import ModelFacts, fp8_bytes
 
-    assert fp8_bytes([256, 384]) == 256 * 384 + 4 * (2 * 3)  # one float32 scale per block
-    assert fp8_bytes([2, 200, 129]) == 2 * (200 * 129 + 4 * (2 * 2))
+    # one float32 scale per 128 x 128 block; the last blocks partial
+    matrix = WeightSpec((256, 384), Slice(), "w", linear=True)
+    assert fp8_bytes(matrix) == 256 * 384 + 4 * (2 * 3)
+    # 2 experts' gate|up [2 x 192, 129]: gate and up tiled each on its own, 2 x 2 row blocks
+    # (not 3, as one 384-row matrix would have), 2 column blocks
+    source = ExpertSource(None, ("g{e}", "u{e}"))
+    w13 = WeightSpec((2, 384, 129), ExpertSlice((0, 1), 0, 192, 192, True), source, linear=True)
+    assert fp8_bytes(w13) == 2 * (384 * 129 + 4 * (4 * 2))
     cfg = load_model_config("kernels/configs/qwen3-30b-a3b")
     bf16 = ModelFacts(cfg, 2).rank_bytes(Layout())
     fp8 = ModelFacts(cfg, 2, "fp8", 1).rank_bytes(Layout())

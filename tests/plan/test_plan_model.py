@@ -37,13 +37,16 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     return WRITERS[request.param](tmp_path_factory.mktemp(request.param))
 
 
-def built(path: Path, layout: Layout, dtype: str) -> SimpleNamespace:
+def built(
+    path: Path, layout: Layout, dtype: str, quantization: str | None = None
+) -> SimpleNamespace:
     """A rank's model as the engine builds it, and a KV cache of its family's spec."""
     cfg = load_model_config(str(path))
     comm = Comm(layout, torch.device("cpu"))
     placement = expert_split(cfg, layout)[0]
+    dispatcher = make_dispatcher("none", placement, comm)
     model = build_model(
-        str(path), "dummy", dtype, "cpu", make_dispatcher("none", placement, comm), layout, comm
+        str(path), "dummy", dtype, "cpu", dispatcher, layout, comm, quantization=quantization
     )
     spec = registry.kv_spec(cfg, layout)
     kv = KVCache.from_spec(spec, 2, 16, getattr(torch, dtype), torch.device("cpu"))
@@ -80,3 +83,23 @@ def test_rank_bytes_equal_the_built_model(
             want.kv_token,
         ), rank
         assert got.local_experts == expert_split(cfg, layout)[0].experts_per_rank
+
+
+def test_fp8_rank_bytes_equal_the_built_model(checkpoint: Path) -> None:
+    """Block FP8 (`--quantization fp8`, one rank): the bench's floor and the planner count the
+    same bytes, each expert's float32 tile scales with the expert."""
+    cfg = load_model_config(str(checkpoint))
+    layout = Layout()
+    runner = built(checkpoint, layout, "bfloat16", quantization="fp8")
+    want = ModelBytes.of(runner)
+    got = ModelFacts(cfg, 2, quantization="fp8").rank_bytes(layout)
+    experts = runner.model.layers[-1].mlp.experts
+    assert experts.w13.dtype == torch.float8_e4m3fn and experts.block is not None
+    scales = (experts.w13_scale_inv[0].numel() + experts.w2_scale_inv[0].numel()) * 4
+    assert want.expert == experts.w13[0].numel() + experts.w2[0].numel() + scales
+    assert (got.dense, got.embed_row, got.expert, got.kv_token) == (
+        want.dense,
+        want.embed_row,
+        want.expert,
+        want.kv_token,
+    )
