@@ -70,6 +70,27 @@ def test_bench_tiny_cpu_with_transformers_peer(tmp_path: Path, capsys) -> None: 
     assert "step/floor" in table and "TPOT growth 1 -> 3" in table
 
 
+def test_bench_fp8_floor_counts_the_bytes_stored(tmp_path: Path) -> None:
+    """`--quantization fp8 --kv-cache-dtype fp8_e4m3`: the floor's parts are FP8 weights with
+    their float32 block scales and a one-byte KV cache, as the planner counts them."""
+    from safeserve.parallel.layout import Layout
+    from safeserve.plan.model import ModelFacts
+
+    out = tmp_path / "bench.json"
+    args = ["bench", "--concurrency", "2", "--input-len", "12", "--output-len", "4"]
+    args += ["--ceiling-gib", "0.02", "--quantization", "fp8", "--kv-cache-dtype", "fp8_e4m3"]
+    assert main([*args, "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    mb = result["model_bytes"]
+    cfg = load_model_config("tiny", "fp8")
+    itemsize = torch.empty(0, dtype=getattr(torch, result["args"]["dtype"])).element_size()
+    want = ModelFacts(cfg, itemsize, "fp8", kv_itemsize=1).rank_bytes(Layout())
+    assert (mb["dense_bytes"], mb["expert_bytes"]) == (want.dense, want.expert)
+    assert mb["kv_bytes_per_token"] == want.kv_token
+    (p,) = result["points"]
+    assert p["step_bytes"] > 0 and p["floor_ms"] > 0 and p["step_over_floor"] > 0
+
+
 def test_bench_rejects_bad_flags(capsys) -> None:  # type: ignore[no-untyped-def]
     assert main(["bench", "--concurrency", "0,2"]) == 2
     assert "positive" in capsys.readouterr().err
