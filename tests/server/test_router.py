@@ -251,7 +251,7 @@ def test_waiting_streams_move_to_an_undrained_group_over_http(server_factory) ->
         return {
             "model": "tiny",
             "prompt": p,
-            "max_tokens": 24,
+            "max_tokens": 48,  # the running stream outlasts the other five's arrival
             "temperature": 0,
             "ignore_eos": True,
             "return_token_ids": True,
@@ -284,10 +284,12 @@ def test_waiting_streams_move_to_an_undrained_group_over_http(server_factory) ->
     async def run() -> list[tuple[str, list[int], list]]:
         async with httpx.AsyncClient(timeout=120) as c:
             tasks = [asyncio.create_task(one(c, p)) for p in prompts]
+            deadline = time.monotonic() + 30
             while True:  # all six held by group 1 (in flight at the frontend)
                 g1 = (await c.get(s.admin_url + "/admin/groups")).json()["groups"][1]
                 if g1["in_flight"] == len(prompts):
                     break
+                assert time.monotonic() < deadline, g1  # e.g. one finished before all came
                 await asyncio.sleep(0.02)
             r = await c.post(s.admin_url + "/admin/groups/0/undrain")
             assert r.status_code == 200 and r.json()["state"] == "READY"
