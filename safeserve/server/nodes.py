@@ -111,6 +111,7 @@ class RemoteLink:
         self.outputs: asyncio.Queue[object] = asyncio.Queue()
         self.heartbeats: asyncio.Queue[Heartbeat] = asyncio.Queue()
         self.fenced = False  # outputs from here on are dropped
+        self.released = False  # its devices given back (`NodeHub.release`)
         self.leader: Node | None = None
         self.init_method: str | None = None  # the rendezvous rank 0's agent opened
 
@@ -363,7 +364,27 @@ class NodeHub:
         for r in link.ranks:
             if r.node.used.get(r.device) == (link.group, link.incarnation):
                 del r.node.used[r.device]
+        link.released = True
+        self._forget_if_done(link)
         self._changed.set()
+
+    def _forget_if_done(self, link: RemoteLink) -> None:
+        """Drops a released incarnation's link once none of its ranks runs (each exited, or its
+        node is lost): one entry per incarnation would otherwise stay for the server's life. An
+        incarnation without a link is treated as a fenced one: its messages are dropped, and an
+        agent still reporting it is told to stop it."""
+        if link.released and not any(r.is_alive() for r in link.ranks):
+            if self.links.get((link.group, link.incarnation)) is link:
+                del self.links[(link.group, link.incarnation)]
+
+    def _rank_exited(self, node: Node, msg: RankExited) -> None:
+        link = self.links.get((msg.group, msg.incarnation))
+        if link is None:
+            return
+        for r in link.ranks:
+            if r.rank == msg.rank and r.node is node:
+                r.exitcode, r.exited = msg.exitcode, True
+        self._forget_if_done(link)
 
     # -- receiving ------------------------------------------------------------------------------
     async def _receive(self) -> None:
@@ -389,11 +410,7 @@ class NodeHub:
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
             elif isinstance(msg, RankExited):
-                link = self.links.get((msg.group, msg.incarnation))
-                if link is not None:
-                    for r in link.ranks:
-                        if r.rank == msg.rank and r.node is node:
-                            r.exitcode, r.exited = msg.exitcode, True
+                self._rank_exited(node, msg)
             else:  # a group's message: to its incarnation's link (a fenced one drops it)
                 link = self.links.get((env.group, env.incarnation))
                 if link is None or link.fenced:
@@ -471,6 +488,8 @@ class NodeHub:
             return
         node.lost, node.lost_at = why, time.time()
         logger.error("node %s lost: %s", node.node_id, why)
+        for link in list(self.links.values()):
+            self._forget_if_done(link)
         self._changed.set()
         self.on_change()
 

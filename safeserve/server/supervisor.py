@@ -28,6 +28,13 @@ logger = logging.getLogger(__name__)
 HISTORY = 50  # state changes and watchdog verdicts kept per group, across incarnations
 
 
+def restart_delay(backoff_s: float, failures_in_window: int) -> float:
+    """The wait before a restart: `--restart-backoff-s`, doubled for each earlier failure in the
+    crash-loop window; a failure that does not count toward the window (a lost node agent)
+    waits the base backoff."""
+    return backoff_s * 2 ** max(failures_in_window - 1, 0)
+
+
 class SupervisorState(enum.Enum):
     STARTING = "STARTING"
     READY = "READY"
@@ -198,7 +205,7 @@ class Supervisor:
                 reason,
             )
             return
-        delay = self.args.restart_backoff_s * 2 ** (len(self.failures) - 1)
+        delay = restart_delay(self.args.restart_backoff_s, len(self.failures))
         logger.warning("group %d failed (%s); restarting in %.1f s", self.group, reason, delay)
         # A group that restarts by itself is RESTARTING from now on, its backoff included: only
         # a crash-looped group stays FAILED (the FAILED event above is what detection reads).

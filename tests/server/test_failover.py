@@ -231,3 +231,11 @@ def test_second_fault_during_restart_hits_the_other_group(server_factory) -> Non
     assert _metric(s.url, "safeserve:requests_suspect") == 0
     assert _metric(s.url, "safeserve:requests_lost_total") == 0
     assert _metric(s.url, "safeserve:requests_failed_after_retries_total") == 0
+
+
+def test_restart_backoff_doubles_per_failure_in_the_window_from_the_base() -> None:
+    from safeserve.server.supervisor import restart_delay
+
+    assert [restart_delay(0.5, n) for n in (1, 2, 3)] == [0.5, 1.0, 2.0]
+    # a lost node agent's failure is not counted in the window: the base backoff, not half
+    assert restart_delay(0.5, 0) == 0.5

@@ -27,7 +27,8 @@ from serving import admin_groups, free_port, start_server, stop_server
 from transformers import AutoModelForCausalLM
 
 from safeserve.config import ServerArgs
-from safeserve.server.nodes import Node, NodeHub, PlacementError
+from safeserve.messages import NodeBeat, RankExited, StopRanks
+from safeserve.server.nodes import Node, NodeHub, PlacementError, RemoteLink, RemoteRank
 from safeserve.wire import keys
 
 TOKENS = 12
@@ -172,6 +173,58 @@ def test_span_placement_rules() -> None:
         # no --nnodes: today's rule (one agent where one fits)
         assert {n.node_id for n, _ in hub._choose(8, None)} == {"a-lone"}
         assert x1.node_rank == 1
+    finally:
+        hub._monitor.close(linger=0)
+        hub._sock.close(linger=0)
+        hub._ctx.term()
+
+
+def test_links_of_released_incarnations_are_forgotten_once_their_ranks_are_gone() -> None:
+    """One link per group incarnation: dropped once released with no rank running (every rank
+    exited, or its node lost), kept while one still runs; an agent that still reports a
+    forgotten incarnation is told to stop it, as a fenced one."""
+    args = ServerArgs(placement="remote", insecure_nodes=True, node_port=free_port())
+    hub = NodeHub(args)
+    sent: list[tuple[str, object]] = []
+    hub.send = lambda node, msg, *a: sent.append((node.node_id, msg))  # type: ignore[method-assign]
+    try:
+        a = hub.nodes["a"] = Node("a", "a", "h", [0, 1], 1, b"a")
+        b = hub.nodes["b"] = Node("b", "b", "h", [0], 1, b"b")
+
+        def placed(group: int, incarnation: int, where: list[tuple[Node, int]]) -> RemoteLink:
+            link = RemoteLink(hub, group, incarnation)
+            link.ranks = [RemoteRank(r, n, d) for r, (n, d) in enumerate(where)]
+            for n, d in where:
+                n.used[d] = (group, incarnation)
+            hub.links[(group, incarnation)] = link
+            return link
+
+        first = placed(0, 1, [(a, 0), (a, 1)])
+        first.stop()  # released, both ranks still running
+        assert (0, 1) in hub.links and a.used == {}
+        hub._rank_exited(a, RankExited(0, 1, 0, 100, -9))
+        assert (0, 1) in hub.links  # rank 1 still runs: its exit must still be heard
+        hub._rank_exited(a, RankExited(0, 1, 1, 101, -9))
+        assert (0, 1) not in hub.links
+        # an exit heard before the release: dropped at the release
+        second = placed(0, 2, [(a, 0)])
+        hub._rank_exited(a, RankExited(0, 2, 0, 102, 1))
+        assert (0, 2) in hub.links  # its group has not let it go yet
+        second.stop()
+        assert (0, 2) not in hub.links
+        # a lost node: its ranks count as gone
+        third = placed(1, 1, [(b, 0)])
+        third.stop()
+        assert (1, 1) in hub.links
+        hub._lose(b, "lease expired")
+        assert (1, 1) not in hub.links
+        # a running incarnation is kept; a forgotten one an agent reports is stopped
+        running = placed(0, 3, [(a, 0)])
+        sent.clear()
+        hub._beat(a, NodeBeat("a", 0.0, [(0, 1), (0, 3)]))
+        stops = [m for _, m in sent if isinstance(m, StopRanks)]
+        assert [(m.group, m.incarnation) for m in stops] == [(0, 1)]
+        assert hub.links[(0, 3)] is running
     finally:
         hub._monitor.close(linger=0)
         hub._sock.close(linger=0)
