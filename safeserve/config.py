@@ -291,10 +291,10 @@ class ServerArgs:
     )
     quarantine_s: float = _flag(
         600.0,
-        "Query of death: a request in flight on a group when it failed migrates once, onto a "
-        "group holding no other such suspect; in flight on a second failed group it is "
-        "answered 422 request_quarantined and identical requests (same prompt and sampling) "
-        "are refused at admission for this long. 0 turns the rule off (requests migrate up to "
+        "Query of death: a request in flight on a group when it failed migrates onto a group "
+        "holding no other such suspect on probation (until its first token there); if that "
+        "group fails during its probation it is answered 422 request_quarantined and identical "
+        "requests (same prompt and sampling) are refused at admission for this long. 0 turns the rule off (requests migrate up to "
         "--max-request-attempts).",
         "groups",
     )

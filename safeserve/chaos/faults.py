@@ -42,7 +42,7 @@ VERIFY_S = 1.0  # how long a signal may take to show (a killed process becomes a
 # fails alone; the deadly one is quarantined, and so is every identical request after it.
 REQUEST_EXPECTED = {"raise": (500, "internal_error"), "exit": (422, "request_quarantined")}
 REQUEST_PROMPT = [11, 12, 13, 14, 15, 16, 17, 18]
-REQUEST_TIMEOUT_S = 180.0  # a deadly request waits for a group holding no other suspect
+REQUEST_TIMEOUT_S = 180.0  # a deadly request waits for a group holding no suspect on probation
 HEAL_VERIFY_S = 60.0  # a healed node READY again in /admin/nodes (a new agent starts Python)
 
 

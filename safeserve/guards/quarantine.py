@@ -5,14 +5,21 @@ The rule (`QueryOfDeath`, one per frontend):
 
 - When a group fails (fenced: any failure, a watchdog verdict or a rank's fatal error), every
   request in flight on it becomes a *suspect*.
-- A suspect is retried once, as a continuation, and only on a READY group that holds no other
-  suspect (it waits for one, at most `--migration-wait-s`; a group that failed and restarted
-  holds none). One suspect per group also bounds suspects in flight to the number of groups, so
-  they need no retry budget.
-- A suspect in flight on a group when that group fails too is *quarantined*: answered 422
+- A suspect is retried as a continuation, on a READY group that holds no other suspect *on
+  probation* (it waits for one, at most `--migration-wait-s`; a group that failed and restarted
+  holds none). It is on probation from its placement until its first token there: the
+  continuation resumes exactly where the failure struck (its prompt and every token produced so
+  far), so a request that crashes groups deterministically crashes the next one before that
+  token. Once the token came, the group may take the next suspect; so suspects move one per
+  group per first token, not one per group per whole generation, and a failed group's long
+  generations all continue well within `--migration-wait-s`. Probations bound to the number of
+  groups the suspects in flight that need no retry budget.
+- A suspect on probation when its group fails too is *quarantined*: answered 422
   `request_quarantined`, never retried, and its fingerprint (the original prompt's token ids and
   every sampling parameter, the fault field included) is refused at admission for
-  `--quarantine-s`, so a client's retry loop cannot crash group after group.
+  `--quarantine-s`, so a client's retry loop cannot crash group after group. A suspect past its
+  probation whose group fails is a suspect of that failure (on probation again where it goes
+  next): the failure did not come with its own start there.
 - A suspect that ends any other way (it completed, its client went away, it failed cleanly) is
   cleared.
 
@@ -52,6 +59,7 @@ class Suspect:
     failed_group: int  # the group that failed with it in flight
     since: float = field(default_factory=time.time)  # wall time
     group: int | None = None  # the group it runs on now; None while it waits for one
+    probation: bool = False  # placed on `group`, no token from there yet
 
 
 @dataclass
@@ -95,9 +103,10 @@ class QueryOfDeath:
     # -- failures ---------------------------------------------------------------------------
     def group_failed(self, rid: str, fp: str, group: int) -> Quarantine | None:
         """`rid` was in flight on `group` when it failed. None: it is a suspect now (retry it
-        once, on a group `suspect_groups` does not name); else its quarantine."""
+        on a group `suspect_groups` does not name); else its quarantine (it was on probation
+        there)."""
         prior = self.suspects.pop(rid, None)
-        if prior is None:
+        if prior is None or not prior.probation:
             self.suspects[rid] = Suspect(rid, fp, group)
             return None
         groups = (prior.failed_group, group)
@@ -110,11 +119,23 @@ class QueryOfDeath:
         return q
 
     def place(self, rid: str, group: int) -> None:
-        """The suspect now runs on `group` (which holds no other suspect until it ends)."""
-        self.suspects[rid].group = group
+        """The suspect now runs on `group`, on probation there (the group takes no other
+        suspect until its first token)."""
+        s = self.suspects[rid]
+        s.group, s.probation = group, True
+
+    def first_token(self, rid: str) -> bool:
+        """A token came for `rid` from its group: a suspect's probation there ends. True if one
+        did (its group can take another suspect)."""
+        s = self.suspects.get(rid)
+        if s is None or not s.probation:
+            return False
+        s.probation = False
+        return True
 
     def suspect_groups(self) -> set[int]:
-        return {s.group for s in self.suspects.values() if s.group is not None}
+        """The groups holding a suspect on probation: a suspect is placed elsewhere."""
+        return {s.group for s in self.suspects.values() if s.group is not None and s.probation}
 
     def clear(self, rid: str) -> bool:
         """The request ended without crashing a second group; True if it was a suspect."""

@@ -318,6 +318,7 @@ def describe_group(
     lines += [
         f"  {s['rid']}  fingerprint {s['fingerprint']}, was on group {s['failed_group']} when it "
         f"failed, {_ago(s['since'], now)}"
+        + ("; on probation (no token here yet)" if s.get("probation") else "")
         for s in g.get("suspects", [])
     ] or ["  <none>"]
     lines.append("Quarantined:")
@@ -341,10 +342,17 @@ def describe_group(
 def suspects_table(q: dict[str, Any], now: float | None = None) -> str:
     now = time.time() if now is None else now
     rows = [
-        [s["rid"], s["fingerprint"], s["failed_group"], s["group"], _ago(s["since"], now)]
+        [
+            s["rid"],
+            s["fingerprint"],
+            s["failed_group"],
+            s["group"],
+            "yes" if s.get("probation") else "no",
+            _ago(s["since"], now),
+        ]
         for s in q["suspects"]
     ]
-    return table(["RID", "FINGERPRINT", "FAILED-GROUP", "NOW-ON", "SINCE"], rows)
+    return table(["RID", "FINGERPRINT", "FAILED-GROUP", "NOW-ON", "PROBATION", "SINCE"], rows)
 
 
 def quarantine_table(q: dict[str, Any], now: float | None = None) -> str:

@@ -3,8 +3,8 @@ at stop strings, time it, cancel it in its group when the client goes away, and,
 fails, continue it on another group as a continuation (prompt + every token already produced,
 the remaining `max_tokens`, the same sampling and seed), so the client's stream goes on with no
 token lost or repeated. A request that was in flight on a failed group is a suspect: it migrates
-once, onto a group holding no other suspect, and is quarantined if that group fails too
-(`safeserve.guards.quarantine`); a group that failed because a node agent running its ranks was
+onto a group holding no other suspect on probation (until its first token there), and is
+quarantined if that group fails during its probation (`safeserve.guards.quarantine`); a group that failed because a node agent running its ranks was
 lost makes no suspects (the host failed, not a request). An engine error in the request alone
 ends that request (500 `internal_error`); its group is fine, so it is not retried.
 
@@ -154,6 +154,8 @@ class Generation:
                     why = out.error or "the engine ended it with an error and gave no reason"
                     raise APIError(500, f"internal error in this request: {why}", "internal_error")
                 now = time.monotonic()
+                if out.new_token_ids and self.owner.qod.first_token(self.rid):
+                    self.owner.router.notify()  # its group may take the next suspect
                 if out.new_token_ids and self.first_token_at is None:
                     self.first_token_at = now
                     m.ttft.observe(now - self.arrival)
@@ -184,7 +186,8 @@ class Generation:
 
     async def _migrate(self) -> None:
         """Continues the request on another READY group, within its attempts: as a suspect
-        (once, on a group holding no other suspect; quarantined if it already was one), or,
+        (on a group holding no other suspect on probation; quarantined if it was on probation
+        on the failed group), or,
         with the query-of-death rule off, within the retry budget."""
         gen, args = self.owner, self.owner.args
         failed_group = self.supervisor.group
@@ -252,7 +255,8 @@ class Generation:
     async def _migrate_suspect(
         self, prompt: list[int], params: SamplingParams, failed_group: int
     ) -> None:
-        """One attempt, on a READY group that holds no other suspect (waiting for one)."""
+        """One attempt, on a READY group that holds no other suspect on probation (waiting for
+        one)."""
         gen, args = self.owner, self.owner.args
         self.attempts += 1
         gen.metrics.retries.inc()
@@ -265,7 +269,8 @@ class Generation:
             )
         except NoGroupReady:
             self._give_up(
-                f"no READY group free of other suspects took it within {args.migration_wait_s:g} s"
+                f"no READY group free of other suspects on probation took it within "
+                f"{args.migration_wait_s:g} s"
             )
         gen.qod.place(self.rid, sup.group)  # no await since the pick: no other suspect got it
         self._submit(sup, prompt, params)

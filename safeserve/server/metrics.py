@@ -306,7 +306,7 @@ METRICS: tuple[MetricSpec, ...] = (
         Gauge,
         "requests_suspect",
         "Requests that were in flight on a group when it failed, not yet ended (running on "
-        "another group, or waiting for one that holds no other suspect).",
+        "another group, or waiting for one that holds no other suspect on probation).",
     ),
     MetricSpec(
         "suspects_cleared",

@@ -59,15 +59,35 @@ def test_suspect_then_quarantine_then_refused_until_it_expires() -> None:
     assert [x["fingerprint"] for x in q.view()["recent"]] == ["fpA"]  # kept for the operator
 
 
+def test_a_suspect_past_its_probation_frees_its_group_and_is_not_quarantined() -> None:
+    q = QueryOfDeath(60.0, clock=_Clock())
+    q.group_failed("a", "fpA", 0)
+    q.place("a", 1)
+    assert q.suspect_groups() == {1}  # on probation: group 1 takes no other suspect
+    assert q.first_token("a") and not q.first_token("a")  # its first token there, once
+    assert not q.first_token("nobody")
+    assert q.suspect_groups() == set() and "a" in q.suspects  # a suspect still, group free
+    # group 1 fails after a's first token there: a is a suspect of that failure, not quarantined
+    assert q.group_failed("a", "fpA", 1) is None
+    assert q.suspects["a"].failed_group == 1 and q.suspects["a"].group is None
+    q.place("a", 0)
+    got = q.group_failed("a", "fpA", 0)  # on probation on group 0 when it failed: quarantined
+    assert got is not None and got.groups == (1, 0)
+
+
 def test_quarantine_table_is_bounded_and_lifted() -> None:
     q = QueryOfDeath(600.0, max_fingerprints=3, clock=_Clock())
-    for i in range(5):
+
+    def twice(i: int) -> None:  # a suspect, then on probation on group 1 when it fails
         q.group_failed(f"r{i}", f"fp{i}", 0)
+        q.place(f"r{i}", 1)
         q.group_failed(f"r{i}", f"fp{i}", 1)
+
+    for i in range(5):
+        twice(i)
     assert [x.fingerprint for x in q.held()] == ["fp2", "fp3", "fp4"]  # oldest evicted
     assert q.refusal("fp2") is not None  # a refusal keeps it: now the newest
-    q.group_failed("r9", "fp9", 0)
-    q.group_failed("r9", "fp9", 1)
+    twice(9)
     assert [x.fingerprint for x in q.held()] == ["fp4", "fp2", "fp9"]
     assert [x.fingerprint for x in q.lift("fp4", dry_run=True)] == ["fp4"]
     assert len(q.held()) == 3  # a dry run lifts nothing
@@ -350,7 +370,7 @@ class _Watch(threading.Thread):
 
     def __init__(self, s: Server) -> None:
         super().__init__(daemon=True)
-        self.s, self.stop, self.bad, self.max_suspects = s, threading.Event(), [], 0
+        self.s, self.stop, self.bad, self.max_on_probation = s, threading.Event(), [], 0
 
     def run(self) -> None:
         while not self.stop.is_set():
@@ -359,15 +379,18 @@ class _Watch(threading.Thread):
             # READY, or on its way back (FAILED waiting for its restart, not a crash loop)
             if health != 200 or all(g["crash_loop"] for g in groups):
                 self.bad.append((health, [(g["state"], g["crash_loop"]) for g in groups]))
-            self.max_suspects = max([self.max_suspects, *(len(g["suspects"]) for g in groups)])
+            on_probation = (sum(x["probation"] for x in g["suspects"]) for g in groups)
+            self.max_on_probation = max([self.max_on_probation, *on_probation])
             time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")
 def slow_restart(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """Two groups; a failed group waits 30 s before it restarts (an operator restarts it)."""
+    """Two groups; a failed group waits 30 s before it restarts (an operator restarts it); a
+    migrating request waits at most 3 s for a group."""
     log = tmp_path_factory.mktemp("qod") / "server.log"
-    s = start_server(two_groups("--max-model-len", "512", "--restart-backoff-s", "30"), log)
+    args = ["--max-model-len", "512", "--restart-backoff-s", "30", "--migration-wait-s", "3"]
+    s = start_server(two_groups(*args), log)
     yield s
     stop_server(s.proc)
 
@@ -375,8 +398,11 @@ def slow_restart(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 def test_sigkilled_group_its_requests_become_suspects_finish_elsewhere_and_clear(
     slow_restart: Server,
 ) -> None:
+    """Six long streams; group 0 is killed and stays down, so its suspects all go to group 1.
+    Each waits there only for the previous one's first token (its probation), not for its
+    whole generation: serialized, their generations would outlast the 3 s migration wait."""
     s = slow_restart
-    n, tokens = 6, 40
+    n, tokens = 6, 160
     ref = [
         httpx.post(s.url + "/v1/completions", json=_body(i, tokens, False), timeout=120).json()[
             "choices"
@@ -411,7 +437,7 @@ def test_sigkilled_group_its_requests_become_suspects_finish_elsewhere_and_clear
     assert metric(s, "safeserve:requests_suspect") == 0
     assert metric(s, "safeserve:requests_quarantined_total") == 0
     assert metric(s, "safeserve:requests_lost_total") == 0
-    assert watch.max_suspects <= 1 and not watch.bad  # one suspect per group at most
+    assert watch.max_on_probation <= 1 and not watch.bad  # one on probation per group at most
     q = httpx.get(s.admin_url + "/admin/quarantine").json()
     assert q["suspects"] == [] and q["quarantined"] == []
     g0 = _groups(s)[0]
@@ -432,3 +458,65 @@ def test_sigkilled_group_its_requests_become_suspects_finish_elsewhere_and_clear
     assert "safeserve oncall describe group 0" in r.stdout and "READY" in r.stdout
     _wait_ready(s)
     assert _groups(s)[0]["restarts"] == 1
+
+
+def test_suspects_move_one_per_group_per_first_token_not_per_generation() -> None:
+    """Two suspects and one READY group: the second is placed once the first's first token
+    came from there, while the first still generates; both end complete."""
+
+    async def run() -> None:
+        gen, (g0, g1) = _generator()
+        params = SamplingParams(max_tokens=6, temperature=0.0)
+        g1.up = False
+        reqs = [gen.start(rid, [10 + i, 11 + i], params, []) for i, rid in enumerate("ab")]
+        g1.up = True
+        tasks = [asyncio.create_task(_drain(r)) for r in reqs]
+        for rid, first in (("a", 5), ("b", 6)):
+            g0.client.out(rid, [first])
+        await asyncio.sleep(0.05)
+        g0.fail(gen.router)  # group 0 stays down: group 1 is the only place
+        await _until(lambda: len(g1.client.queues) == 1)
+        (first_rid,) = g1.client.queues
+        other = "b" if first_rid == "a" else "a"
+        await asyncio.sleep(0.1)
+        assert len(g1.client.queues) == 1  # the other waits while the first is on probation
+        g1.client.out(first_rid, [7])  # its first token on group 1: the probation ends
+        await _until(lambda: len(g1.client.queues) == 2)
+        assert gen.qod.suspect_groups() == {1} and gen.qod.suspects[other].probation
+        g1.client.out(other, [7, 8, 9, 10, 11], "length")
+        g1.client.out(first_rid, [8, 9, 10, 11], "length")
+        (ids_a, err_a), (ids_b, err_b) = await asyncio.gather(*tasks)
+        assert (err_a, err_b) == (None, None)
+        assert ids_a == [5, 7, 8, 9, 10, 11] and ids_b == [6, 7, 8, 9, 10, 11]
+        assert _sample(gen, "requests_suspect_cleared_total") == 2
+        assert _sample(gen, "requests_quarantined_total") == 0
+
+    asyncio.run(run())
+
+
+def test_a_failure_quarantines_the_suspect_on_probation_only() -> None:
+    """Group 1 fails holding a suspect past its probation and one still on it: the latter is
+    quarantined, the former continues (a suspect of this failure) and completes."""
+
+    async def run() -> None:
+        gen, (g0, g1) = _generator()
+        ta, tb = await _in_flight_on_group_0(gen, g0, g1, {"a": 5, "b": 6})
+        g0.fail(gen.router)
+        await _until(lambda: len(g1.client.queues) == 1)
+        (past,) = g1.client.queues
+        g1.client.out(past, [7])  # past its probation on group 1
+        await _until(lambda: len(g1.client.queues) == 2)
+        (probation,) = set(g1.client.queues) - {past}
+        g0.up = True
+        g1.fail(gen.router)  # before the second one's first token there
+        await _until(lambda: len(g0.client.queues) == 1)
+        assert set(g0.client.queues) == {past}
+        assert gen.qod.suspects[past].failed_group == 1
+        g0.client.out(past, [8, 9], "length")
+        res = dict(zip(("a", "b"), await asyncio.gather(ta, tb), strict=True))
+        assert res[past][1] is None and res[past][0][1:] == [7, 8, 9]
+        err = res[probation][1]
+        assert err is not None and (err.status, err.code) == (422, "request_quarantined")
+        assert _sample(gen, "requests_quarantined_total") == 1
+
+    asyncio.run(run())
