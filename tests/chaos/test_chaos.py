@@ -293,6 +293,7 @@ recover_throughput = 0.5
 """
 
 
+@pytest.mark.scenario
 def test_kill_run_reports_detection_recovery_and_no_loss(server_factory, tmp_path: Path) -> None:
     s = server_factory(GROUPS)
     common = ["--url", s.url, "--admin-url", s.admin_url]
@@ -362,6 +363,7 @@ def test_memory_spread_is_the_worst_groups_growth_gap() -> None:
     assert memory_spread_gib([row(0, 0, None, None), row(0, 1, 1, 2)]) is None  # CPU ranks
 
 
+@pytest.mark.scenario
 def test_query_of_death_scenario_quarantines_and_loses_nothing(tmp_path: Path) -> None:
     """The shipped scenario (its own server): the raising request fails alone, the deadly one
     costs at most two groups and ends quarantined, its 20 copies are refused, and every other
@@ -381,6 +383,7 @@ def test_query_of_death_scenario_quarantines_and_loses_nothing(tmp_path: Path) -
     assert req["sent"] >= 16 and req["succeeded"] == req["sent"] and req["consistent"] == 1.0
 
 
+@pytest.mark.scenario
 def test_open_loop_kill_survivor_goodput_and_recovered_share(tmp_path: Path) -> None:
     """The shipped open-loop scenario (its own server, two one-rank groups): a Poisson load,
     group 0's rank SIGKILLed. Nothing is lost or failed and every output is exact (moved and
@@ -452,6 +455,7 @@ def test_a_nodes_scenario_refuses_url() -> None:
     assert r.returncode == 2 and "starts its own server and agents" in r.stderr
 
 
+@pytest.mark.scenario
 def test_partition_scenario_cuts_one_node_and_loses_nothing(tmp_path: Path) -> None:
     """The shipped partition scenario (its own frontend and three agents, each through its own
     proxy): node b is cut off and healed. The cut dropped the agent's bytes, the frontend found
