@@ -12,8 +12,8 @@ The rule (`QueryOfDeath`, one per frontend):
   far), so a request that crashes groups deterministically crashes the next one before that
   token. Once the token came, the group may take the next suspect; so suspects move one per
   group per first token, not one per group per whole generation, and a failed group's long
-  generations all continue well within `--migration-wait-s`. Probations bound to the number of
-  groups the suspects in flight that need no retry budget.
+  generations all continue well within `--migration-wait-s`. Suspects take no retry budget:
+  at most one per group is on probation at a time, and one past it runs as any request there.
 - A suspect on probation when its group fails too is *quarantined*: answered 422
   `request_quarantined`, never retried, and its fingerprint (the original prompt's token ids and
   every sampling parameter, the fault field included) is refused at admission for
