@@ -171,6 +171,7 @@ class Engine:
         group's first idle moment, which a group under load from its first request never has
         (its EPLB would never count a pass)."""
         warm_up(self)
+        self.tbo_steps.clear()  # the warm-up's steps are not traffic: the metric counts served ones
         self.runner.begin_serving()
         self.broadcast_idle()
 

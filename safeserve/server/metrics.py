@@ -242,7 +242,8 @@ METRICS: tuple[MetricSpec, ...] = (
         "tbo_steps",
         Counter,
         "tbo_steps",
-        "Forward steps by two-batch-overlap decision (--enable-two-batch-overlap), per group: "
+        "Served forward steps (not the start-up warm-up's) by two-batch-overlap decision "
+        "(--enable-two-batch-overlap), per group: "
         + ", ".join(TBO_DECISIONS)
         + ". No series before a group reports a decision (none with the flag off).",
         ("group", "decision"),

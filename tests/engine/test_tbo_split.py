@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -224,3 +225,17 @@ def test_no_split_and_nothing_counted_with_tbo_off_or_one_rank() -> None:
         assert engine.build_plan(_step([7, 1])).split is None
         assert engine.build_plan(_step([1] * 100)).split is None
         assert engine.stats().tbo_steps == {}
+
+
+def test_warm_up_steps_are_not_counted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The start-up warm-up's steps decide too, but `tbo_steps_total` counts served steps."""
+    import safeserve.engine.engine as engine_module
+
+    engine = _leader(2, enable_two_batch_overlap=True, tbo_min_decode_batch=4)
+    engine.runner.begin_serving = lambda: None  # type: ignore[attr-defined]
+    engine.broadcast_idle = lambda: None  # type: ignore[method-assign]
+    monkeypatch.setattr(engine_module, "warm_up", lambda e: e.build_plan(_step([7, 1])))
+    engine.warm_up()
+    assert engine.stats().tbo_steps == {}
+    engine.build_plan(_step([1] * 4))
+    assert engine.stats().tbo_steps == {"split": 1}
