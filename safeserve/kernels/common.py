@@ -174,6 +174,26 @@ if HAS_TRITON:
         group_m = tl.minimum(num_pid_m - first_m, GROUP_M)
         return first_m + (pid % group) % group_m, (pid % group) // group_m
 
+    @triton.jit
+    def round_e4m3(x):
+        """x (float32) clamped to +-448 and rounded to the nearest float8_e4m3fn value (ties to
+        even), still as float32, so the conversion that follows is exact. A GPU's conversion
+        saturates and rounds the same, but Triton's interpreter truncates and flushes
+        subnormals, and the kernels' tests run there: the FP8 KV cache's stores and the block-FP8
+        activation quantizers round here."""
+        x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+        bits = x.to(tl.int32, bitcast=True)
+        exp = ((bits >> 23) & 0xFF) - 127
+        exp = tl.maximum(exp, -6)  # below 2^-6 e4m3 is subnormal: a fixed step of 2^-9
+        step = ((exp - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits
+        inv = ((127 - exp + 3) << 23).to(tl.float32, bitcast=True)
+        y = x * inv  # exact (a power of two; an FMA with the add below rounds the same); |y| < 16
+        # round half to even in float32: adding and taking away 1.5 * 2^23 leaves no fraction
+        magic = 12582912.0
+        r = (y + magic) - magic
+        return tl.where(r == 0.0, x * 0.0, r * step)  # a zero keeps its sign, as torch's cast
+
 else:  # pragma: no cover - exercised where Triton is missing
     pdl_wait = None
     grouped_tile = None
+    round_e4m3 = None

@@ -1,8 +1,8 @@
 """FP8 (e4m3) activation quantization in Triton, shared by the block-FP8 kernels.
 
 `token_group_quant` quantizes activations per token and 128 columns (`scale = max|x| / 448`),
-the `dynamic` scheme of DeepSeek-V3's and Qwen3-FP8's checkpoints. `_round_e4m3` rounds a float32
-to the nearest e4m3 value (ties to even, saturating at 448) in float32 arithmetic, so the
+the `dynamic` scheme of DeepSeek-V3's and Qwen3-FP8's checkpoints. `common.round_e4m3` rounds a
+float32 to the nearest e4m3 value (ties to even, saturating at 448) in float32 arithmetic, so the
 conversion that follows is exact: results equal the torch quantizer's
 (`fp8_reference.token_group_quantize`) on a GPU and under Triton's CPU interpreter, whose own
 float-to-FP8 conversion truncates.
@@ -25,21 +25,7 @@ from safeserve.kernels.fp8_reference import FP8, MIN_AMAX
 GROUP = 128  # the scale block: 128 x 128 weight tiles, 128-column activation groups
 
 if HAS_TRITON:
-    from safeserve.kernels.common import pdl_wait
-
-    @triton.jit
-    def _round_e4m3(v):
-        """v (float32, |v| <= 448) rounded to the nearest float8_e4m3fn value (ties to even),
-        still as float32: exact for the conversion that follows."""
-        bits = v.to(tl.int32, bitcast=True)
-        exp = ((bits >> 23) & 0xFF) - 127
-        exp = tl.maximum(exp, -6)  # e4m3's subnormals share the smallest normal's step
-        # the grid step 2^(exp - 3) and its inverse, built from their exponent bits
-        step = ((exp - 3 + 127) << 23).to(tl.float32, bitcast=True)
-        inv = ((127 - (exp - 3)) << 23).to(tl.float32, bitcast=True)
-        magic = 12582912.0  # 1.5 * 2^23: adding and subtracting it rounds to an integer (RNE)
-        r = tl.minimum(((tl.abs(v) * inv + magic) - magic) * step, 448.0)
-        return tl.where(bits < 0, -r, r)  # the sign kept, -0 included
+    from safeserve.kernels.common import pdl_wait, round_e4m3
 
     @triton.jit(do_not_specialize=["num_rows"])
     def _token_group_quant_kernel(
@@ -64,7 +50,7 @@ if HAS_TRITON:
         x = tl.load(x_ptr + t * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
         amax = tl.maximum(tl.max(tl.abs(x), axis=0), MIN_SCALE_AMAX)
         scale = amax / 448.0
-        q = _round_e4m3(tl.minimum(tl.maximum(x / scale, -448.0), 448.0))
+        q = round_e4m3(x / scale)
         tl.store(q_ptr + t * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=ok)
         tl.store(s_ptr + t * stride_s + g, scale)
 

@@ -15,7 +15,7 @@ rows by `moe_align`, as `fused_moe`'s sorted plan):
    routing weight, one row per pair.
 4. the top-k sum of `fused_moe` (slots with id -1 skipped).
 
-The intermediate's FP8 rounding is `fp8_quant._round_e4m3` (in float32, so the conversion is
+The intermediate's FP8 rounding is `common.round_e4m3` (in float32, so the conversion is
 exact, as the activation quantizer's).
 
 Tiles: BLOCK_K is the scale block's 128 columns and gate/up's BLOCK_N its 128 rows; only
@@ -51,8 +51,7 @@ from safeserve.kernels.fused_moe import sum_topk
 from safeserve.kernels.moe_align import moe_align
 
 if HAS_TRITON:
-    from safeserve.kernels.common import grouped_tile, pdl_wait
-    from safeserve.kernels.fp8_quant import _round_e4m3
+    from safeserve.kernels.common import grouped_tile, pdl_wait, round_e4m3
 
     @triton.jit(do_not_specialize=["num_pairs", "num_blocks_m"])
     def _gate_up_fp8_kernel(
@@ -130,7 +129,7 @@ if HAS_TRITON:
         h = tl.where(n_ok[None, :], h, 0.0)
         amax = tl.maximum(tl.max(tl.abs(h), axis=1), MIN_SCALE_AMAX)
         scale = amax / 448.0
-        q = _round_e4m3(tl.minimum(tl.maximum(h / scale[:, None], -448.0), 448.0))
+        q = round_e4m3(h / scale[:, None])
         h_ptrs = hq_ptr + rows[:, None].to(tl.int64) * stride_hm + offs_n[None, :]
         tl.store(h_ptrs, q.to(hq_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
         tl.store(hs_ptr + rows.to(tl.int64) * stride_hsm + pid_n, scale, mask=row_ok)

@@ -18,6 +18,9 @@ import torch
 
 from safeserve.kernels.common import HAS_TRITON, tl, triton
 
+if HAS_TRITON:
+    from safeserve.kernels.common import round_e4m3
+
 KV_FP8 = torch.float8_e4m3fn
 KV_FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -33,30 +36,12 @@ def to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 if HAS_TRITON:
 
     @triton.jit
-    def _round_e4m3(x):
-        """x (float32) clamped to +-448 and rounded to the nearest e4m3 value (ties to even),
-        still in float32, so the cast that follows is exact: a GPU's cast saturates and rounds
-        the same, but Triton's interpreter rounds without carrying into the exponent and
-        flushes subnormals, and the kernels' tests run there."""
-        x = tl.minimum(tl.maximum(x, -448.0), 448.0)
-        bits = x.to(tl.int32, bitcast=True)
-        exp = ((bits >> 23) & 0xFF) - 127
-        exp = tl.maximum(exp, -6)  # below 2^-6 e4m3 is subnormal: a fixed step of 2^-9
-        step = ((exp - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits
-        inv = ((127 - exp + 3) << 23).to(tl.float32, bitcast=True)
-        y = x * inv  # exact (a power of two; an FMA with the add below rounds the same); |y| < 16
-        # round half to even in float32: adding and taking away 1.5 * 2^23 leaves no fraction
-        magic = 12582912.0
-        r = (y + magic) - magic
-        return tl.where(r == 0.0, x * 0.0, r * step)  # a zero keeps its sign, as torch's cast
-
-    @triton.jit
     def store_value(x, ptr):
         """x converted to the element type of the cache pointer `ptr` (quantized for FP8)."""
         # one return, after the branch: the compiler checks every return of a function against
         # the others, even one a constexpr condition leaves out
         if ptr.dtype.element_ty == tl.float8e4nv:
-            y = _round_e4m3(x.to(tl.float32)).to(tl.float8e4nv)
+            y = round_e4m3(x.to(tl.float32)).to(tl.float8e4nv)
         else:
             y = x.to(ptr.dtype.element_ty)
         return y
