@@ -4,8 +4,9 @@ fails, continue it on another group as a continuation (prompt + every token alre
 the remaining `max_tokens`, the same sampling and seed), so the client's stream goes on with no
 token lost or repeated. A request that was in flight on a failed group is a suspect: it migrates
 onto a group holding no other suspect on probation (until its first token there), and is
-quarantined if that group fails during its probation (`safeserve.guards.quarantine`); a group that failed because a node agent running its ranks was
-lost makes no suspects (the host failed, not a request). An engine error in the request alone
+quarantined if that group fails during its probation (`safeserve.guards.quarantine`); a group
+that failed because a node agent running its ranks was lost makes no suspects (the host failed,
+not a request). An engine error in the request alone
 ends that request (500 `internal_error`); its group is fine, so it is not retried.
 
 A request that is still waiting in its group (no output received, so no token generated and
@@ -187,8 +188,7 @@ class Generation:
     async def _migrate(self) -> None:
         """Continues the request on another READY group, within its attempts: as a suspect
         (on a group holding no other suspect on probation; quarantined if it was on probation
-        on the failed group), or,
-        with the query-of-death rule off, within the retry budget."""
+        on the failed group), or, with the query-of-death rule off, within the retry budget."""
         gen, args = self.owner, self.owner.args
         failed_group = self.supervisor.group
         left = args.max_request_attempts - self.attempts
