@@ -384,6 +384,23 @@ def test_query_of_death_scenario_quarantines_and_loses_nothing(tmp_path: Path) -
 
 
 @pytest.mark.scenario
+def test_long_generations_of_a_killed_group_all_continue_exactly(tmp_path: Path) -> None:
+    """The shipped scenario (its own server): group 0 killed and kept down for 20 s while 16
+    streams of 400 tokens run; its suspects all continue on group 1 within the 10 s migration
+    wait (each holds group 1 only until its first token there) and every answer is exact."""
+    out = tmp_path / "long.json"
+    r = _chaos("run", "chaos/kill-long-generations.toml", "--json", str(out), timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:] + r.stdout
+    rep = json.loads(out.read_text())
+    req, server = rep["requests"], rep["server"]
+    assert req["sent"] >= 16 and req["succeeded"] == req["sent"], r.stdout
+    assert req["lost"] == req["failed"] == 0 and req["reference_equal"] == 1.0, r.stdout
+    assert server["migrations"] >= 4 and server["group_failures"] == {"0": 1, "1": 0}, server
+    (f,) = rep["faults"]
+    assert f["verified"] and f["verdict"] == "dead", f
+
+
+@pytest.mark.scenario
 def test_open_loop_kill_survivor_goodput_and_recovered_share(tmp_path: Path) -> None:
     """The shipped open-loop scenario (its own server, two one-rank groups): a Poisson load,
     group 0's rank SIGKILLed. Nothing is lost or failed and every output is exact (moved and
