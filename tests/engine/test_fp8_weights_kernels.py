@@ -71,9 +71,10 @@ def _trace(runner, steps: int, forced: list[list[int]] | None = None):  # type: 
     tables = [[3, 7, 1, 12, 40, 41, 42], [20, 21, 22, 23, 24], [5, 0, 9, 30, 31, 32, 33]]
     plan = [SeqPlan(list(s), 0, t, GREEDY) for s, t in zip(seqs, tables, strict=True)]
     rows, fed = [], []
+    greedy: list[int] = []  # the last step's argmax per sequence
     for step in range(steps + 1):
         if step:
-            last = forced[step - 1] if forced else logits.argmax(-1).tolist()  # noqa: F821
+            last = forced[step - 1] if forced else greedy
             fed.append(last)
             plan = []
             for i in range(3):
@@ -82,6 +83,7 @@ def _trace(runner, steps: int, forced: list[list[int]] | None = None):  # type: 
                 seqs[i] += new
         logits, _ = runner.run_plan(StepPlan(step=step, per_rank=[plan]))
         assert logits is not None
+        greedy = logits.argmax(-1).tolist()
         rows += [(i, len(seqs[i]) - 1, logits[i].float().cpu()) for i in range(3)]
     return seqs, rows, fed
 
