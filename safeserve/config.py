@@ -294,8 +294,8 @@ class ServerArgs:
         "Query of death: a request in flight on a group when it failed migrates onto a group "
         "holding no other such suspect on probation (until its first token there); if that "
         "group fails during its probation it is answered 422 request_quarantined and identical "
-        "requests (same prompt and sampling) are refused at admission for this long. 0 turns the rule off (requests migrate up to "
-        "--max-request-attempts).",
+        "requests (same prompt and sampling) are refused at admission for this long. 0 turns "
+        "the rule off (requests migrate up to --max-request-attempts).",
         "groups",
     )
 

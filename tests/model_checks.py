@@ -146,9 +146,12 @@ def assert_check_names(good: Path, tmp_path: Path, name: str, edit: str) -> None
         check_checkpoint(str(ckpt), load_model_config(str(ckpt)))
 
 
-def small_runner(model: Path, device: str, dtype: str, graphs: bool) -> Any:
+def small_runner(
+    model: Path | str, device: str, dtype: str, graphs: bool, capture: bool = True, **flags: Any
+) -> Any:
     """A `ModelRunner` of `model` sized for a few short sequences: 64 blocks of 4 tokens, up to
-    8 running, CUDA graphs (where `graphs`) for batches up to 4."""
+    8 running, CUDA graphs (where `graphs`) for batches up to 4; `capture` False: the graphs
+    are left for the caller to capture; `flags`: further `ServerArgs`."""
     from safeserve.config import ServerArgs
     from safeserve.engine.model_runner import ModelRunner
 
@@ -162,5 +165,6 @@ def small_runner(model: Path, device: str, dtype: str, graphs: bool) -> Any:
         max_running_requests=8,
         cuda_graph_max_bs=4,
         disable_cuda_graph=not graphs,
+        **flags,
     )
-    return ModelRunner(args)
+    return ModelRunner(args, capture_cuda_graphs=capture)

@@ -18,9 +18,6 @@ import torch
 
 from safeserve.kernels.common import HAS_TRITON, tl, triton
 
-if HAS_TRITON:
-    from safeserve.kernels.common import round_e4m3
-
 KV_FP8 = torch.float8_e4m3fn
 KV_FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -34,6 +31,7 @@ def to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 if HAS_TRITON:
+    from safeserve.kernels.common import round_e4m3
 
     @triton.jit
     def store_value(x, ptr):

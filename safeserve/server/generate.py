@@ -6,8 +6,8 @@ token lost or repeated. A request that was in flight on a failed group is a susp
 onto a group holding no other suspect on probation (until its first token there), and is
 quarantined if that group fails during its probation (`safeserve.guards.quarantine`); a group
 that failed because a node agent running its ranks was lost makes no suspects (the host failed,
-not a request). An engine error in the request alone
-ends that request (500 `internal_error`); its group is fine, so it is not retried.
+not a request). An engine error in the request alone ends that request (500 `internal_error`);
+its group is fine, so it is not retried.
 
 A request that is still waiting in its group (no output received, so no token generated and
 nothing sent to its client) may be *moved* once to a group that just became READY

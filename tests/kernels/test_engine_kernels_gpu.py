@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from model_checks import small_runner
 from seeds import seeded
 
 from safeserve.config import ServerArgs
@@ -23,20 +24,7 @@ def _runner(  # type: ignore[no-untyped-def]
     weights_from: torch.nn.Module | None,
     disable_pdl: bool = False,
 ):
-    from safeserve.engine.model_runner import ModelRunner
-
-    args = ServerArgs(
-        device=device,
-        dtype=dtype,
-        num_kv_blocks=64,
-        block_size=4,
-        max_model_len=64,
-        max_running_requests=8,
-        cuda_graph_max_bs=4,
-        disable_cuda_graph=not graphs,
-        disable_pdl=disable_pdl,
-    )
-    runner = ModelRunner(args, capture_cuda_graphs=False)
+    runner = small_runner("tiny", device, dtype, graphs, capture=False, disable_pdl=disable_pdl)
     if weights_from is not None:
         # Dummy weights come from the device's own RNG: CUDA and CPU draw different ones.
         runner.model.load_state_dict(weights_from.state_dict())
