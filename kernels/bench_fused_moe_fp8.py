@@ -130,6 +130,16 @@ def main(argv: list[str] | None = None) -> None:
     w13, w2 = make_weights(e, h, i, torch.bfloat16)
     q = quantize_experts(w13, w2)
     ceiling = fp8_ceiling_tflops() if ns.fp8_ceiling else None
+    meta = {
+        "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
+        "capability": ".".join(map(str, torch.cuda.get_device_capability()))
+        if DEVICE == "cuda"
+        else None,
+        "shape": {"E": e, "H": h, "I": i, "top_k": k},
+        "date": time.strftime("%Y-%m-%d"),
+        "command": " ".join(sys.argv),
+        "fp8_matrix_TFLOPs": ceiling,
+    }
     rows, table = [], {}
     for n in tokens:
         routings = make_routings(n, e, h, k, torch.bfloat16, ns.rotations)
@@ -166,6 +176,8 @@ def main(argv: list[str] | None = None) -> None:
             row["configs_tried"] = swept
             table[str(n)] = {**cfg, "tuned_us": round(fp8_us, 2)}
         rows.append(row)
+        if ns.table_out and table:  # after every token count: a run cut short keeps its entries
+            Path(ns.table_out).write_text(json.dumps({"configs": table, "meta": meta}, indent=1))
         print(
             f"tokens {n:5d}: fp8 {fp8_us:8.1f} us (x{row['fp8_over_floor']:.2f} floor), bf16 "
             f"{bf16_us:8.1f} us (x{row['bf16_over_floor']:.2f}), fp8/bf16 "
@@ -173,18 +185,6 @@ def main(argv: list[str] | None = None) -> None:
             f"({time.monotonic() - t0:.0f} s)",
             flush=True,
         )
-    meta = {
-        "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
-        "capability": ".".join(map(str, torch.cuda.get_device_capability()))
-        if DEVICE == "cuda"
-        else None,
-        "shape": {"E": e, "H": h, "I": i, "top_k": k},
-        "date": time.strftime("%Y-%m-%d"),
-        "command": " ".join(sys.argv),
-        "fp8_matrix_TFLOPs": ceiling,
-    }
-    if ns.table_out and table:
-        Path(ns.table_out).write_text(json.dumps({"configs": table, "meta": meta}, indent=1))
     if ns.json:
         Path(ns.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
 

@@ -49,8 +49,10 @@ if HAS_TRITON:
         ok = offs < K
         x = tl.load(x_ptr + t * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
         amax = tl.maximum(tl.max(tl.abs(x), axis=0), MIN_SCALE_AMAX)
-        scale = amax / 448.0
-        q = round_e4m3(x / scale)
+        # IEEE-rounded divisions: a GPU's default float32 `/` is approximate, and a quotient one
+        # ulp off flips an e4m3 rounding that the torch reference makes the other way
+        scale = tl.div_rn(amax, 448.0)
+        q = round_e4m3(tl.div_rn(x, scale))
         tl.store(q_ptr + t * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=ok)
         tl.store(s_ptr + t * stride_s + g, scale)
 

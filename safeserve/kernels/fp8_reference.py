@@ -40,6 +40,13 @@ def _pad_to(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return F.pad(x, (0, cols - c, 0, rows - r)) if (r, c) != (rows, cols) else x
 
 
+def _over_fp8_max(t: torch.Tensor) -> torch.Tensor:
+    """`t / 448` correctly rounded on every device. torch on CUDA divides by a Python scalar as a
+    product with its reciprocal, which is one ulp off for some `t`; the scale then differs from
+    the kernels' (IEEE division, `tl.div_rn`) and so do the values rounded with it."""
+    return t / torch.full((), FP8_MAX, dtype=t.dtype, device=t.device)
+
+
 def block_quantize(
     w: torch.Tensor, block: tuple[int, int] = (128, 128)
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,7 +57,7 @@ def block_quantize(
     nr, nc = _blocks(rows, bo), _blocks(cols, bi)
     wf = _pad_to(w.float(), nr * bo, nc * bi).reshape(*lead, nr, bo, nc, bi)
     amax = wf.abs().amax(dim=(-3, -1)).clamp(min=MIN_AMAX)  # [..., nr, nc]
-    scale_inv = amax / FP8_MAX
+    scale_inv = _over_fp8_max(amax)
     q = (wf / scale_inv[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
     q = q.reshape(*lead, nr * bo, nc * bi)[..., :rows, :cols].to(FP8)
     return q, scale_inv
@@ -74,7 +81,7 @@ def token_group_quantize(x: torch.Tensor, group: int = 128) -> tuple[torch.Tenso
     k = x.shape[-1]
     n = _blocks(k, group)
     xf = F.pad(x.float(), (0, n * group - k)).unflatten(-1, (n, group))
-    scale = xf.abs().amax(dim=-1).clamp(min=MIN_AMAX) / FP8_MAX
+    scale = _over_fp8_max(xf.abs().amax(dim=-1).clamp(min=MIN_AMAX))
     q = (xf / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).flatten(-2)[..., :k].to(FP8)
     return q, scale
 

@@ -128,8 +128,8 @@ if HAS_TRITON:
         h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
         h = tl.where(n_ok[None, :], h, 0.0)
         amax = tl.maximum(tl.max(tl.abs(h), axis=1), MIN_SCALE_AMAX)
-        scale = amax / 448.0
-        q = round_e4m3(h / scale[:, None])
+        scale = tl.div_rn(amax, 448.0)  # IEEE-rounded, as fp8_quant's
+        q = round_e4m3(tl.div_rn(h, scale[:, None]))
         h_ptrs = hq_ptr + rows[:, None].to(tl.int64) * stride_hm + offs_n[None, :]
         tl.store(h_ptrs, q.to(hq_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
         tl.store(hs_ptr + rows.to(tl.int64) * stride_hsm + pid_n, scale, mask=row_ok)

@@ -266,6 +266,23 @@ if HAS_TRITON:
         tl.debug_barrier()
         return last
 
+    @triton.jit
+    def _merge(
+        p_rows, o_ptrs, o_mask, b_ptr, cols, col_ok, N, counter,
+        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        SPLIT_K: tl.constexpr,
+    ):  # fmt: skip
+        """The last program's part of the split-K merge: the SPLIT_K partials at p_rows +
+        j * N summed in slice order (deterministic), the bias, the store; the tile's counter
+        back to 0."""
+        total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for j in tl.static_range(SPLIT_K):
+            total += tl.load(p_rows + j * N, mask=o_mask, other=0.0, cache_modifier=".cg")
+        if HAS_BIAS:
+            total += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(o_ptrs, total.to(o_ptrs.dtype.element_ty), mask=o_mask)
+        tl.atomic_xchg(counter, 0)
+
     @triton.jit(do_not_specialize=["m"])
     def _skinny_linear_kernel(
         x_ptr,
@@ -332,13 +349,8 @@ if HAS_TRITON:
         else:
             p_rows = part_ptr + rows[:, None].to(tl.int64) * (SPLIT_K * N) + cols[None, :]
             if _arrive(acc, p_rows, o_mask, kb, N, sync_ptr + nb, SPLIT_K):
-                total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                for j in tl.static_range(SPLIT_K):  # fixed order: deterministic
-                    total += tl.load(p_rows + j * N, mask=o_mask, other=0.0, cache_modifier=".cg")
-                if HAS_BIAS:
-                    total += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-                tl.store(o_ptrs, total.to(out_ptr.dtype.element_ty), mask=o_mask)
-                tl.atomic_xchg(sync_ptr + nb, 0)
+                _merge(p_rows, o_ptrs, o_mask, b_ptr, cols, col_ok, N, sync_ptr + nb,
+                       HAS_BIAS, BLOCK_M, BLOCK_N, SPLIT_K)  # fmt: skip
 
 else:  # pragma: no cover - exercised where Triton is missing
     _skinny_linear_kernel = None

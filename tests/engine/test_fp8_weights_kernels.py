@@ -17,7 +17,8 @@ The runner prefills three prompts in one step, then decodes greedily, one mixed 
   from one position on; the W8A16 reference is 7e-2 away. The check catches a kernel fed the
   wrong scales, shard or graph buffers (errors of order 1); the first check is the exact one.
 - bf16 (CUDA, graphs on) against float32 (CUDA) fed the same tokens: never NaN, the median row
-  within 5e-2.
+  at most 1.5 times the median by which transformers' W8A8 reference itself moves between
+  bf16 and float32 on the same tokens.
 """
 
 from __future__ import annotations
@@ -88,16 +89,18 @@ def _trace(runner, steps: int, forced: list[list[int]] | None = None):  # type: 
     return seqs, rows, fed
 
 
-def _reference_rows(model: Path, seqs: list[list[int]], rows, fp8: Path):  # type: ignore[no-untyped-def]
-    """transformers' float32 W8A8 logits (the dequantized checkpoint `model`, the modules the
-    FP8 checkpoint `fp8` quantizes) at each row's position."""
+def _reference_rows(  # type: ignore[no-untyped-def]
+    model: Path, seqs: list[list[int]], rows, fp8: Path, dtype: torch.dtype = torch.float32
+):
+    """transformers' W8A8 logits (the dequantized checkpoint `model`, the modules the FP8
+    checkpoint `fp8` quantizes; float32 unless `dtype`) at each row's position, on CPU."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).eval()
     hf = w8a8_reference(hf, quantized_modules(fp8))
     with torch.no_grad():
         full = [hf(torch.tensor([s])).logits[0] for s in seqs]
-    return [full[i][pos] for i, pos, _ in rows]
+    return [full[i][pos].float() for i, pos, _ in rows]
 
 
 def _relative(got: list[torch.Tensor], want: list[torch.Tensor]) -> list[float]:
@@ -178,8 +181,16 @@ def test_interpreter_or_gpu_fp8_runner_close_to_the_w8a8_reference(
 
 @pytest.mark.parametrize("device", [CUDA])
 def test_gpu_fp8_bfloat16_close_to_float32(ckpts: dict[str, Path], device: str) -> None:
-    _, ref_rows, fed = _trace(small_runner(ckpts["fp8"], device, "float32", False), steps=6)
+    seqs, ref_rows, fed = _trace(small_runner(ckpts["fp8"], device, "float32", False), steps=6)
     _, got, _ = _trace(small_runner(ckpts["fp8"], device, "bfloat16", True), steps=6, forced=fed)
     assert not any(r.isnan().any() for _, _, r in got)
     errors = _relative([r for _, _, r in got], [r for _, _, r in ref_rows])
-    assert errors[len(errors) // 2] <= 5e-2, errors
+    # what bf16 does to the W8A8 reference itself on the same tokens: this random model's
+    # W8A8 logits move by 7-11 % of their norm (each activation rounded to bf16 before its
+    # 3-bit quantization, and routing flips after it), so a fixed bound cannot tell a bf16 path
+    # that rounds badly from one that rounds as bf16 must
+    want32 = _reference_rows(ckpts["deq"], seqs, ref_rows, ckpts["fp8"])
+    want16 = _reference_rows(ckpts["deq"], seqs, ref_rows, ckpts["fp8"], torch.bfloat16)
+    inherent = _relative(want16, want32)
+    median = len(errors) // 2
+    assert errors[median] <= 1.5 * inherent[median], (errors, inherent)

@@ -359,12 +359,13 @@ def _launch_everything(capability: int, shared: int) -> None:
             ids = torch.zeros(tokens, k, dtype=torch.int32)
             x = torch.empty(tokens, h, dtype=dtype)
             f8.fused_moe_fp8(x, w13q, w13s, w2q, w2s, torch.empty(tokens, k), ids)
-    # The block-FP8 linear (W8A8) at each row-tile size of its default configs, with a bias.
+    # The block-FP8 linear (W8A8) at each row-tile size of its default configs and its split-K
+    # kernel (up to 64 rows), with a bias.
     from safeserve.kernels import fp8_linear as fl
 
     wq, ws = torch.empty(5120, h, dtype=fp8), torch.empty(40, -(-h // 128))
     for dtype in (bf16, torch.float32):
-        for rows in (1, 512, 4096):
+        for rows in (1, 64, 512, 4096):
             fl.fp8_linear_w8a8(torch.empty(rows, h, dtype=dtype), wq, ws, torch.empty(5120))
 
 

@@ -57,3 +57,35 @@ def test_gpu_fp8_linear_matches_reference() -> None:
     # Qwen3-30B-A3B's q|k|v and o_proj at decode and prefill sizes
     shapes = [(r, 2048, 5120, False) for r in (1, 7, 300)] + [(64, 4096, 2048, False)]
     _check("cuda", torch.bfloat16, 1e-2, CASES + shapes)
+
+
+def _check_skinny_plans(device: str) -> None:
+    """The split-K kernel (decode-sized calls) under every column width and K slice it can be
+    given, against the reference: rows across its 16- and 64-row tiles, K with a partial last
+    128-column block and slices that run past K."""
+    gen = seeded(200)
+    for rows in (1, 17, 64):
+        for k, n, with_bias in ((200, 130, True), (640, 384, False)):
+            w, s = block_quantize(torch.randn(n, k, generator=gen) * 0.05)
+            x = torch.randn(rows, k, generator=gen)
+            bias = torch.randn(n, generator=gen) if with_bias else None
+            want = fp8_linear(x, w, s, bias, quantize_input=True)
+            x, w, s = x.to(device), w.to(device), s.to(device)
+            bias = bias.to(device) if bias is not None else None
+            for kb_per in (None, 2):
+                for block_n in (None, 32):
+                    out = torch.empty(rows, n, device=device)
+                    fl._skinny(x, w, s, bias, out, block_n, kb_per)
+                    err = float((out.cpu() - want).norm() / want.norm())
+                    assert err <= 1e-5, (rows, k, n, kb_per, block_n, err)
+
+
+@interp
+def test_interpreter_fp8_skinny_plans_match_reference() -> None:
+    _check_skinny_plans("cpu")
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_gpu_fp8_skinny_plans_match_reference() -> None:
+    _check_skinny_plans("cuda")
