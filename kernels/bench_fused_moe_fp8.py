@@ -14,8 +14,16 @@ stages; each checked against the reference) and writes the fastest as a tile tab
 safeserve/kernels/configs/ under `fused_moe_fp8.fp8_config_file_name`). `--fp8-ceiling` also
 measures the FP8 matrix rate (`torch._scaled_mm`, 8192^3) for the compute-bound counts.
 
+`--peer-dir .peer/sglang` also times the peer, SGLang's Triton `fused_moe` in its block-FP8 W8A8
+mode (kernels/peer_sglang.py; SGLang's files are copied at run time by
+kernels/fetch_peer_sglang.sh into the git-ignored .peer/, never committed), with its own tiles
+(its tuned table of the shape and device, else its default), on the same experts and routings,
+timed the same way: each row gains `peer_us`, `peer_over_floor` (the same FP8 floor),
+`ours_over_peer`, `peer_rel_err` (against the same reference) and `peer_config`; the JSON's meta
+the peer's commit. A peer that fails at a token count leaves `peer_error` in that row.
+
     python3 kernels/bench_fused_moe_fp8.py [--tokens 1,64,4096] [--sweep --table-out t.json]
-        [--fp8-ceiling] [--json out.json]
+        [--fp8-ceiling] [--peer-dir .peer/sglang] [--json out.json]
 """
 
 from __future__ import annotations
@@ -92,6 +100,40 @@ def rel_err(routing, q, cfg) -> float:  # type: ignore[no-untyped-def]
     return ((got - want).norm() / want.norm()).item()
 
 
+def peer_row(peer, routings, q, reps: int, floor_us: float, fp8_us: float) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    """The peer's columns of a row: its own config, timed as ours, its error against our
+    reference."""
+    w13q, w13s, w2q, w2s = q
+    x0, w0, ids0 = routings[0]
+    cfg = peer.config_for(x0.shape[0], w13q.shape[0], w2q.shape[2], torch.device(DEVICE))
+    try:
+        fns = [(lambda r=r: peer(r[0], w13q, w13s, w2q, w2s, r[1], r[2])) for r in routings]
+        peer_us = statistics.median(graph_times_us(fns, reps))
+        got = peer(x0, w13q, w13s, w2q, w2s, w0, ids0).float()
+    except Exception as e:  # noqa: BLE001 - the peer's failure must not cost our row
+        return {"peer_error": repr(e)[:500], "peer_config": cfg}
+    want = grouped_experts_fp8(x0.float(), w13q, w13s, w2q, w2s, ids0, w0, quantize_input=True)
+    return {
+        "peer_us": peer_us,
+        "peer_over_floor": peer_us / floor_us,
+        "ours_over_peer": fp8_us / peer_us,
+        "peer_rel_err": ((got - want).norm() / want.norm()).item(),
+        "peer_config": cfg,
+    }
+
+
+def short_peer_config(cfg: dict[str, Any]) -> str:
+    def one(c: dict[str, Any], swap: bool) -> str:
+        return (
+            f"M{c['BLOCK_SIZE_M']}N{c['BLOCK_SIZE_N']}K{c['BLOCK_SIZE_K']}G{c['GROUP_SIZE_M']}"
+            f"w{c.get('num_warps', 4)}s{c.get('num_stages', 3)}{' swap_ab' if swap else ''}"
+        )
+
+    up = one(cfg["up"], cfg["swap_ab"][0])
+    down = f" / down {one(cfg['down'], cfg['swap_ab'][1])}" if cfg["down"] else ""
+    return up + down + ("" if cfg["table"] else " (default)")
+
+
 def sweep_one(routings, q, reps: int, max_err: float) -> tuple[dict, float, int]:  # type: ignore[no-untyped-def]
     best, best_us, tried = None, float("inf"), 0
     for values in itertools.product(*SWEEP.values()):
@@ -123,6 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--table-out")
     p.add_argument("--fp8-ceiling", action="store_true")
     p.add_argument("--max-err", type=float, default=1e-2, help="a config above this is wrong")
+    p.add_argument("--peer-dir", help="also time SGLang's fused MoE from this copy")
     p.add_argument("--json")
     ns = p.parse_args(argv)
     tokens = [int(t) for t in ns.tokens.split(",")]
@@ -140,6 +183,16 @@ def main(argv: list[str] | None = None) -> None:
         "command": " ".join(sys.argv),
         "fp8_matrix_TFLOPs": ceiling,
     }
+    peer = None
+    if ns.peer_dir:
+        from peer_sglang import load as load_peer
+
+        peer = load_peer(ns.peer_dir)
+        meta["peer"] = {
+            "name": "sglang fused_moe (Triton, use_fp8_w8a8, block_shape [128, 128])",
+            "commit": peer.commit,
+            "harness": "kernels/peer_sglang.py",
+        }
     rows, table = [], {}
     for n in tokens:
         routings = make_routings(n, e, h, k, torch.bfloat16, ns.rotations)
@@ -172,6 +225,17 @@ def main(argv: list[str] | None = None) -> None:
         }
         if ceiling:
             row["fp8_matrix_share"] = row["fp8_TFLOPs"] / ceiling
+        peer_text = ""
+        if peer is not None:
+            row.update(peer_row(peer, routings, q, ns.reps, floor8, fp8_us))
+            if "peer_us" in row:
+                peer_text = (
+                    f", sglang {row['peer_us']:8.1f} us (x{row['peer_over_floor']:.2f}), "
+                    f"ours/sglang {row['ours_over_peer']:.3f}, err "
+                    f"{row['peer_rel_err']:.1e}, {short_peer_config(row['peer_config'])}"
+                )
+            else:
+                peer_text = f", sglang failed: {row['peer_error'][:200]}"
         if swept is not None:
             row["configs_tried"] = swept
             table[str(n)] = {**cfg, "tuned_us": round(fp8_us, 2)}
@@ -181,7 +245,7 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"tokens {n:5d}: fp8 {fp8_us:8.1f} us (x{row['fp8_over_floor']:.2f} floor), bf16 "
             f"{bf16_us:8.1f} us (x{row['bf16_over_floor']:.2f}), fp8/bf16 "
-            f"{row['fp8_over_bf16']:.3f}, err {row['rel_err']:.1e}, {cfg} "
+            f"{row['fp8_over_bf16']:.3f}, err {row['rel_err']:.1e}, {cfg}{peer_text} "
             f"({time.monotonic() - t0:.0f} s)",
             flush=True,
         )

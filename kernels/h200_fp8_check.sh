@@ -5,7 +5,10 @@
 #           against their dequantizing references; the model runner's FP8 calls, logits and bf16
 #           (tests/engine/test_fp8_weights_kernels.py); the FP8 KV engine tests
 #   bench   kernels/bench_fused_moe_fp8.py on the Qwen3-30B-A3B layer (FP8 against bf16 in the
-#           same run, the floors, the FP8 matrix rate); with SWEEP=1 its tile sweep as a table
+#           same run, the floors, the FP8 matrix rate); with SWEEP=1 its tile sweep as a table;
+#           where .peer/sglang exists (kernels/fetch_peer_sglang.sh, carried with the run) it passes
+#           --peer-dir .peer/sglang: SGLang's Triton fused MoE (block FP8) timed in the same run
+#           (BENCH_TIMEOUT then defaults to 420 s, else 300 s)
 #   engine  `safeserve bench` decode, bf16 then FP8 weights + FP8 KV, same tree and call,
 #           512-token prompts, 128 out, concurrency $CONC (default 1,8,16,32,64)
 #   prefill `safeserve bench` of one 8,192-token prompt, bf16 then FP8 weights + FP8 KV
@@ -27,9 +30,16 @@ for mode in "${modes[@]}"; do
     bench)
       sweep=()
       [ "${SWEEP:-0}" = 1 ] && sweep=(--sweep --table-out "$OUT/fp8_table.json")
-      timeout "${BENCH_TIMEOUT:-300}" python3 kernels/bench_fused_moe_fp8.py \
+      peer=()
+      bench_timeout=${BENCH_TIMEOUT:-300}
+      if [ -d .peer/sglang ]; then
+        peer=(--peer-dir .peer/sglang)
+        bench_timeout=${BENCH_TIMEOUT:-420}  # the peer's compiles and timings on top
+      fi
+      timeout "$bench_timeout" python3 kernels/bench_fused_moe_fp8.py \
         --tokens "${TOKENS:-1,2,4,8,16,32,64,128,256,512,1024,2048,4096}" --fp8-ceiling \
-        --json "$OUT/bench_fused_moe_fp8.json" "${sweep[@]}" 2>&1 | tee "$OUT/bench_fused_moe_fp8.log"
+        --json "$OUT/bench_fused_moe_fp8.json" "${sweep[@]}" "${peer[@]}" 2>&1 |
+        tee "$OUT/bench_fused_moe_fp8.log"
       echo "== bench rc=${PIPESTATUS[0]}"
       ;;
     engine)

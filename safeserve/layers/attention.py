@@ -16,7 +16,7 @@ from safeserve.kernels import norm_rope as nr
 from safeserve.kernels import paged_attention as pa
 from safeserve.kernels.linear import gemm
 from safeserve.kernels.qkv_rope import qkv_norm_rope_store
-from safeserve.layers.linear import fuse_linears, project
+from safeserve.layers.linear import BlockFp8Linear, fuse_fp8_linears, fuse_linears, project
 from safeserve.layers.norm import RMSNorm
 from safeserve.layers.paged_attention import AttentionMetadata, attend
 from safeserve.parallel.comm import Comm
@@ -58,12 +58,19 @@ class GQAttention(nn.Module):
         self.qkv_weight: torch.Tensor | None = None
         self.qkv_bias: torch.Tensor | None = None
 
+    # block-FP8 q|k|v as one linear (`fuse_fp8_linears`), outside the module tree
+    qkv_fp8: BlockFp8Linear | None = None
+
     def fuse_projections(self) -> None:
-        self.qkv_weight, self.qkv_bias = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        parts = [self.q_proj, self.k_proj, self.v_proj]
+        self.qkv_weight, self.qkv_bias = fuse_linears(parts)
+        object.__setattr__(self, "qkv_fp8", fuse_fp8_linears(parts))
 
     def _qkv(self, x: torch.Tensor) -> torch.Tensor:
         if self.qkv_weight is not None:
             return gemm(x, self.qkv_weight, self.qkv_bias)
+        if self.qkv_fp8 is not None:
+            return self.qkv_fp8(x)
         return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
 
     def forward(

@@ -54,9 +54,50 @@ def project(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return linear(x, m.weight, m.bias)
 
 
+def fuse_fp8_linears(linears: list[nn.Module]) -> BlockFp8Linear | None:
+    """One `BlockFp8Linear` for several block-FP8 linears of the same input (one activation
+    quantization and one launch instead of one each), or None where they cannot share one: not
+    all block FP8 with the same block, or a projection other than the last ending inside a
+    weight tile (its tiles' scales would then mix two projections).
+
+    The parts' parameters become views of the fused weight, scales and bias, so loaders keep
+    filling them by name; the fused module lists them in `parts`. Its owner keeps it out of the
+    module tree (`object.__setattr__`): its parameters are the parts', loaded through them."""
+    if not linears or not all(isinstance(m, BlockFp8Linear) for m in linears):
+        return None
+    block, k = linears[0].block, linears[0].weight.shape[1]
+    has_bias = linears[0].bias is not None
+    for m in linears:
+        if m.block != block or m.weight.shape[1] != k or (m.bias is not None) != has_bias:
+            return None
+    if any(m.weight.shape[0] % block[0] for m in linears[:-1]):
+        return None
+    rows = sum(m.weight.shape[0] for m in linears)
+    with linears[0].weight.device:
+        fused = BlockFp8Linear(k, rows, has_bias, block)
+    fused.weight = nn.Parameter(torch.cat([m.weight.detach() for m in linears]), False)
+    fused.weight_scale_inv = nn.Parameter(
+        torch.cat([m.weight_scale_inv.detach() for m in linears]), False
+    )
+    if has_bias:
+        fused.bias = nn.Parameter(torch.cat([m.bias.detach() for m in linears]), False)  # type: ignore[union-attr]
+    start = tile = 0
+    for m in linears:
+        n, tiles = m.weight.shape[0], m.weight_scale_inv.shape[0]
+        m.weight = nn.Parameter(fused.weight[start : start + n], requires_grad=False)
+        m.weight_scale_inv = nn.Parameter(
+            fused.weight_scale_inv[tile : tile + tiles], requires_grad=False
+        )
+        if has_bias:
+            m.bias = nn.Parameter(fused.bias[start : start + n], requires_grad=False)  # type: ignore[index]
+        start, tile = start + n, tile + tiles
+    fused.parts = tuple(linears)  # a tuple: not registered as submodules
+    return fused
+
+
 def fuse_linears(linears: list[nn.Module]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """One weight (and bias) for several linears of the same input; (None, None) where one is
-    block FP8 (each projection has its own tiles, so they stay apart).
+    block FP8 (those fuse through `fuse_fp8_linears`).
 
     The linears' parameters become views of the fused tensors: loaders and `load_state_dict`
     keep filling them by name (and each rank's shard slices stay per projection).
