@@ -34,8 +34,9 @@ from safeserve.kernels.common import (
 from safeserve.kernels.fp8_quant import GROUP, token_group_quant
 from safeserve.kernels.fp8_reference import MIN_AMAX, fp8_linear
 
-# Rows up to which a call takes the split-K kernel (BLOCK_M: the rows' power of two, 16 at least).
-SKINNY_MAX_ROWS = 64
+# Rows up to which a call takes the split-K kernel (kernels/bench_fp8_linear.py on an H200: at 32
+# and 64 rows the tiled kernel was faster, 16-17 against 22-64 us for q_proj and o_proj).
+SKINNY_MAX_ROWS = 16
 
 if HAS_TRITON:
     from safeserve.kernels.common import grouped_tile, pdl_wait, round_e4m3, zeroed_counters
@@ -179,9 +180,9 @@ def skinny_block_n(n: int, k: int, sms: int) -> int:
 
 
 def skinny_kb_per(rows: int) -> int:
-    """128-column K blocks per program: one up to 16 rows; more for more rows, so that the
-    float32 partials (rows x K slices x N) stay below the weight's bytes."""
-    return 1 if rows <= 16 else 2 if rows <= 32 else 4
+    """128-column K blocks per program: one up to 8 rows, two above (H200: 9-16 rows took
+    13.5-14.3 us with two against 15.3-17.9 with one for q_proj and o_proj)."""
+    return 1 if rows <= 8 else 2
 
 
 def _skinny(

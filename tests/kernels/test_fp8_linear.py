@@ -1,9 +1,10 @@
 """The block-FP8 linear (`safeserve.kernels.fp8_linear`, W8A8) against the torch reference that
 dequantizes (`fp8_reference.fp8_linear` with activations quantized): on a GPU, or on CPU under
 Triton's interpreter (TRITON_INTERPRET=1). Both quantize the activations to the same values
-(`fp8_quant`), so they differ only in the order of float32 sums: within 1e-4 relative (norm of the
-error over norm of the result) in float32; with bf16 activations and result, within 1e-2 (the
-result's rounding)."""
+(`fp8_quant`), so they differ only in how the products are summed: in float32 within 1e-4
+relative (norm of the error over norm of the result) under the interpreter, within
+`GPU_FP8_DOT_TOL` on a GPU (its tensor cores' FP8 sums, below); with bf16 activations and result,
+within 1e-2 (the result's rounding)."""
 
 from __future__ import annotations
 
@@ -50,16 +51,24 @@ def test_interpreter_fp8_linear_matches_reference() -> None:
     _check("cpu", torch.float32, 1e-4, CASES)
 
 
+# A Hopper tensor core sums an FP8 product's terms with about 14 mantissa bits, not float32's 24
+# (DeepSeek-V3's report, section 3.3.2; the kernels, as its, take each 128-column block's product
+# out to float32 before adding the next), so on a GPU float32 results differ from the exact
+# reference by up to 2^-13 relative per block: 6e-5 to 1.3e-4 measured on an H200 where the
+# interpreter's exact sums are within 1e-6.
+GPU_FP8_DOT_TOL = 5e-4
+
+
 @needs_cuda
 @pytest.mark.gpu
 def test_gpu_fp8_linear_matches_reference() -> None:
-    _check("cuda", torch.float32, 1e-4, CASES)
+    _check("cuda", torch.float32, GPU_FP8_DOT_TOL, CASES)
     # Qwen3-30B-A3B's q|k|v and o_proj at decode and prefill sizes
     shapes = [(r, 2048, 5120, False) for r in (1, 7, 300)] + [(64, 4096, 2048, False)]
     _check("cuda", torch.bfloat16, 1e-2, CASES + shapes)
 
 
-def _check_skinny_plans(device: str) -> None:
+def _check_skinny_plans(device: str, tol: float) -> None:
     """The split-K kernel (decode-sized calls) under every column width and K slice it can be
     given, against the reference: rows across its 16- and 64-row tiles, K with a partial last
     128-column block and slices that run past K."""
@@ -77,15 +86,15 @@ def _check_skinny_plans(device: str) -> None:
                     out = torch.empty(rows, n, device=device)
                     fl._skinny(x, w, s, bias, out, block_n, kb_per)
                     err = float((out.cpu() - want).norm() / want.norm())
-                    assert err <= 1e-5, (rows, k, n, kb_per, block_n, err)
+                    assert err <= tol, (rows, k, n, kb_per, block_n, err)
 
 
 @interp
 def test_interpreter_fp8_skinny_plans_match_reference() -> None:
-    _check_skinny_plans("cpu")
+    _check_skinny_plans("cpu", 1e-5)
 
 
 @needs_cuda
 @pytest.mark.gpu
 def test_gpu_fp8_skinny_plans_match_reference() -> None:
-    _check_skinny_plans("cuda")
+    _check_skinny_plans("cuda", GPU_FP8_DOT_TOL)
