@@ -315,12 +315,16 @@ def _launch_everything(capability: int, shared: int) -> None:
                       torch.ones(64, dtype=torch.bool))  # fmt: skip
     w13 = torch.empty(e, 2 * inter, h, dtype=bf16)
     w2 = torch.empty(e, h, inter, dtype=bf16)
+    from safeserve.kernels.fused_moe_fp8 import FP8_TABLE_PREFIX
+
     if capability == 90:  # the fused MoE at every entry of every shipped H200 table
         table = mc.load_config_table(
             str(mc.CONFIG_DIR / mc.config_file_name(e, h, inter, "NVIDIA H200"))
         )
         assert table, "no shipped H200 table"
         for path in sorted(mc.CONFIG_DIR.glob("*_NVIDIA_H200.json")):
+            if path.name.startswith(FP8_TABLE_PREFIX):
+                continue  # the block-FP8 tables: below
             shape = json.loads(path.read_text())["meta"]["shape"]
             te, th, ti, tk = shape["E"], shape["H"], shape["I"], shape["top_k"]
             tw13 = torch.empty(te, 2 * ti, th, dtype=bf16)  # never touched: nothing runs
@@ -359,6 +363,21 @@ def _launch_everything(capability: int, shared: int) -> None:
             ids = torch.zeros(tokens, k, dtype=torch.int32)
             x = torch.empty(tokens, h, dtype=dtype)
             f8.fused_moe_fp8(x, w13q, w13s, w2q, w2s, torch.empty(tokens, k), ids)
+    if capability == 90:  # the block-FP8 fused MoE at every entry of every shipped H200 table
+        for path in sorted(mc.CONFIG_DIR.glob(f"{f8.FP8_TABLE_PREFIX}*_NVIDIA_H200.json")):
+            shape = json.loads(path.read_text())["meta"]["shape"]
+            te, th, ti, tk = shape["E"], shape["H"], shape["I"], shape["top_k"]
+            tw13q = torch.empty(te, 2 * ti, th, dtype=fp8)
+            tw2q = torch.empty(te, th, ti, dtype=fp8)
+            tw13s = torch.empty(te, -(-2 * ti // 128), -(-th // 128))
+            tw2s = torch.empty(te, -(-th // 128), -(-ti // 128))
+            for tokens, cfg in sorted(f8.load_fp8_table(str(path)).items()):  # type: ignore[union-attr]
+                cfg = {key: v for key, v in cfg.items() if key != "tuned_us"}
+                ids = torch.zeros(tokens, tk, dtype=torch.int32)
+                x = torch.empty(tokens, th, dtype=bf16)
+                f8.fused_moe_fp8(
+                    x, tw13q, tw13s, tw2q, tw2s, torch.empty(tokens, tk), ids, config=cfg
+                )
     # The block-FP8 linear (W8A8) at each row-tile size of its default configs and its split-K
     # kernel (up to 64 rows), with a bias.
     from safeserve.kernels import fp8_linear as fl
