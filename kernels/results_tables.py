@@ -65,6 +65,9 @@ SERVE_DEFAULTS: dict[str, Any] = {
     "cuda_graph_max_tokens": 2048,
     "disable_cuda_graph": False,
     "disable_pdl": False,
+    "quantization": None,
+    "kv_cache_dtype": "auto",
+    "enable_deterministic_inference": False,
 }
 QWEN3_MODEL = "kernels/configs/qwen3-30b-a3b"
 
