@@ -36,7 +36,7 @@ def _serve(ns: argparse.Namespace) -> int:
         stored_dtypes,
     )
     from safeserve.model.config import ModelConfigError
-    from safeserve.model.quant import check_device
+    from safeserve.model.quant import check_fp8_flags
     from safeserve.model.registry import check_layout, kv_spec
     from safeserve.model.sharding import LayoutError
     from safeserve.model.tokenizer import TokenizerError
@@ -50,7 +50,7 @@ def _serve(ns: argparse.Namespace) -> int:
     # Everything that can be known wrong is refused here, before any process is spawned.
     try:
         cfg = load_model_config(args.model, args.quantization)
-        check_device(cfg.quant, args.device)
+        check_fp8_flags(cfg.quant, args.enable_deterministic_inference)
         from_checkpoint = args.model != TINY_MODEL and args.load_format != "dummy"
         stored = stored_dtypes(args.model, cfg) if from_checkpoint else None
         for rank in range(args.tp_size):

@@ -115,12 +115,12 @@ def scale_spec(spec: WeightSpec, block: tuple[int, int]) -> WeightSpec:
     return WeightSpec(shape, tiles, source, float32=True)
 
 
-def check_device(quant: Fp8Config | None, device: str) -> None:
-    """`serve` runs FP8 weights on CPU only: on CUDA the model runs them on the Triton W8A8
-    kernels (`bench` and in-process engines do), which are not yet validated against their
-    reference on a GPU (tests/engine/test_fp8_weights_kernels.py's CUDA cases)."""
-    if quant is not None and device != "cpu":
+def check_fp8_flags(quant: Fp8Config | None, deterministic: bool) -> None:
+    """FP8 weights are not served with --enable-deterministic-inference: their W8A8 kernels
+    are not batch-invariant (the linear takes its split-K kernel up to 16 rows and tiles above,
+    the fused MoE's tiles follow the token count)."""
+    if quant is not None and deterministic:
         raise ModelConfigError(
-            f"FP8 weights are served on --device cpu only for now (got --device {device}): their "
-            "CUDA kernels are not validated on a GPU yet; `safeserve bench` runs them"
+            "--enable-deterministic-inference: FP8 weights run on W8A8 kernels whose results "
+            "depend on the batch (no batch-invariant FP8 path yet); serve them without the flag"
         )

@@ -86,7 +86,7 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
         choices=list(QUANTIZATIONS),
         help="'fp8': linear weights block-quantized to FP8 (128 x 128 blocks, float32 "
         "scales), as DeepSeek-V3's checkpoints (an FP8 checkpoint needs no flag). Bytes "
-        "only: serve runs FP8 weights on CPU only so far.",
+        "only: the calibration is bf16's.",
     )
     g.add_argument(
         "--kv-cache-dtype",

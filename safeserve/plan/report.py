@@ -43,7 +43,7 @@ def text(
     if fp8:
         lines.append(
             f"FP8 {' and '.join(fp8)}: bytes planned (128 x 128 blocks, float32 scales); "
-            "safeserve serve runs FP8 weights on CPU only so far, and the calibration is bf16's"
+            "the calibration is bf16's (FP8 steps are not calibrated yet)"
         )
     if gpu.calibration is not None:
         cal = gpu.calibration

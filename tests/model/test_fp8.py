@@ -417,7 +417,7 @@ def test_serve_refuses_bad_fp8_setups_in_one_line_before_any_rank(
     cases = {
         (str(broken),): f"no tensor '{name}'",
         (str(ckpts["fp8"]), "--tp-size", "2"): "cuts a 128x128 FP8 block",
-        (str(ckpts["hp"]), "--quantization", "fp8", "--device", "cuda"): "--device cpu only",
+        (str(ckpts["fp8"]), "--enable-deterministic-inference"): "no batch-invariant FP8 path",
     }
     for args, message in cases.items():
         r = _serve("--model", *args)
