@@ -1,7 +1,8 @@
 """Where a small random model's bf16 error on CUDA comes from: the family test's trace
 (`tests/engine/test_families_gpu.py`: three prompts, ten decode steps, one mixed) in float32 on
 CUDA as the reference, then in bf16 (eager) with every kernel module's `use_kernels` as shipped,
-with all of them off (the torch paths on CUDA), and with each one off alone. Prints the median and
+with all of them off (the torch paths on CUDA), with dependent launches off, and with each one
+off alone. Prints the median and
 upper-quartile relative error of the logits rows per variant, and transformers' own bf16 error
 on the same tokens (the model's inherent bf16 sensitivity).
 
@@ -59,11 +60,12 @@ def main() -> None:
     mods = {m: importlib.import_module(m) for m in MODULES}
     shipped = {m: mod.use_kernels for m, mod in mods.items() if hasattr(mod, "use_kernels")}
 
-    def run(label: str, off: set[str], graphs: bool = False) -> None:
+    def run(label: str, off: set[str], graphs: bool = False, **flags: object) -> None:
         for m, fn in shipped.items():
             mods[m].use_kernels = (lambda t: False) if m in off else fn
         try:
-            got, _ = _trace(small_runner(ckpt, ns.device, "bfloat16", graphs), forced=fed)
+            runner = small_runner(ckpt, ns.device, "bfloat16", graphs, **flags)
+            got, _ = _trace(runner, forced=fed)
             med, q3 = errors(got, ref)
             print(f"{label:45s} median {med:.4f}  q3 {q3:.4f}", flush=True)
         except Exception as e:  # noqa: BLE001 - a torch path may not run beside some kernels
@@ -71,6 +73,7 @@ def main() -> None:
 
     run("shipped, graphs", set(), graphs=ns.device == "cuda")
     run("shipped, eager", set())
+    run("shipped, eager, no dependent launches", set(), disable_pdl=True)
     run("all torch paths", set(shipped))
     for m in shipped:
         run(f"off: {m.removeprefix('safeserve.')}", {m})
