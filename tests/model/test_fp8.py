@@ -41,7 +41,7 @@ from serving import free_port, start_server, stop_server
 from safeserve.config import ServerArgs
 from safeserve.kernels import fp8_reference as ref
 from safeserve.kernels.moe_reference import grouped_experts_torch
-from safeserve.layers.linear import BlockFp8Linear
+from safeserve.layers.linear import BlockFp8Linear, fuse_fp8_linears
 from safeserve.model.checkpoint import (
     LoadError,
     check_checkpoint,
@@ -137,6 +137,40 @@ def test_reference_linear_and_experts_compute_the_definition() -> None:
         w8a8[t] += weights[t, slot] * F.linear(fake_quant(F.silu(gate) * up), d2[e])
     got = ref.grouped_experts_fp8(*fp8_experts, quantize_input=True)
     torch.testing.assert_close(got, w8a8, atol=1e-5, rtol=0)
+
+
+def test_fp8_projections_fuse_only_on_whole_tiles_and_compute_as_their_parts() -> None:
+    gen = seeded(2)
+
+    def part(rows: int, bias: bool = False) -> BlockFp8Linear:
+        m = BlockFp8Linear(300, rows, bias, (128, 128))
+        q, s = quantize(torch.randn(rows, 300, generator=gen) * 0.1)
+        m.weight.data.copy_(q)
+        m.weight_scale_inv.data.copy_(s)
+        if bias:
+            m.bias.data.copy_(torch.randn(rows, generator=gen))  # type: ignore[union-attr]
+        return m
+
+    x = torch.randn(4, 300, generator=gen)
+    for bias in (False, True):
+        parts = [part(256, bias), part(128, bias), part(200, bias)]  # the last may end mid-tile
+        alone = [p(x) for p in parts]
+        fused = fuse_fp8_linears(parts)  # type: ignore[arg-type]
+        assert fused is not None and fused.parts == tuple(parts)
+        assert fused.weight.shape == (584, 300) and fused.weight_scale_inv.shape == (5, 3)
+        torch.testing.assert_close(fused(x), torch.cat(alone, dim=-1), atol=0, rtol=0)
+        # the parts are views of the fused tensors: what a loader writes through a part's name
+        # is what the fused launch reads
+        parts[1].weight_scale_inv.data.mul_(2)
+        changed = parts[1](x)
+        assert not torch.equal(changed, alone[1])
+        torch.testing.assert_close(fused(x)[:, 256:384], changed, atol=0, rtol=0)
+    # a part other than the last ending inside a tile, mixed blocks or biases, a plain linear
+    assert fuse_fp8_linears([part(200), part(128)]) is None  # type: ignore[arg-type]
+    assert fuse_fp8_linears([part(128), part(128, True)]) is None  # type: ignore[arg-type]
+    odd = BlockFp8Linear(300, 128, False, (64, 64))
+    assert fuse_fp8_linears([part(128), odd]) is None  # type: ignore[arg-type]
+    assert fuse_fp8_linears([part(128), torch.nn.Linear(300, 128)]) is None
 
 
 # -- loading and computing -----------------------------------------------------------------------
