@@ -105,9 +105,9 @@ def test_bench_rejects_bad_flags(capsys) -> None:  # type: ignore[no-untyped-def
 
 
 def test_bench_refuses_what_would_fail_late(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
-    """An unwritable --json and a missing CUDA device are refused before the run (the JSON
-    used to fail only after the whole run, losing its numbers); a --json in folders that do
-    not exist yet gets them."""
+    """An unwritable --json, a missing CUDA device and FP8 weights in deterministic mode are
+    refused before the run (the JSON used to fail only after the whole run, losing its
+    numbers); a --json in folders that do not exist yet gets them."""
     blocker = tmp_path / "file"
     blocker.write_text("x")
     assert main(["bench", "--json", str(blocker / "out.json")]) == 2
@@ -117,6 +117,9 @@ def test_bench_refuses_what_would_fail_late(tmp_path: Path, capsys) -> None:  # 
     if not torch.cuda.is_available():
         assert main(["bench", "--device", "cuda"]) == 2
         assert "no CUDA device is visible" in capsys.readouterr().err
+    fp8_det = ["--quantization", "fp8", "--enable-deterministic-inference"]
+    assert main(["bench", *fp8_det]) == 2
+    assert "no batch-invariant FP8 path" in capsys.readouterr().err
     out = tmp_path / "new" / "deeper" / "bench.json"
     args = ["--concurrency", "1", "--input-len", "8", "--output-len", "3", "--json", str(out)]
     assert main(["bench", *args]) == 0

@@ -126,6 +126,7 @@ def main(ns: argparse.Namespace) -> int:
     from safeserve.config import ConfigError
     from safeserve.config_cli import check_output_file, server_args_from
     from safeserve.model.checkpoint import load_model_config
+    from safeserve.model.quant import check_fp8_flags
 
     logging.basicConfig(
         level=ns.log_level.upper(), format="%(asctime)s [bench] %(levelname)s %(name)s: %(message)s"
@@ -136,6 +137,8 @@ def main(ns: argparse.Namespace) -> int:
         check_one_rank(args)
         check_device(args)
         check_context(args, opts)
+        quant = load_model_config(args.model, args.quantization).quant
+        check_fp8_flags(quant, args.enable_deterministic_inference)
         check_output_file(opts.json_path, "--json")
         check_output_file(opts.distribution_path, "--expert-distribution-out")
         if opts.distribution_path and not load_model_config(args.model).num_experts:
