@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 from safeserve.kernels import moe_config as mc
+from safeserve.kernels.fused_moe_fp8 import FP8_TABLE_PREFIX as FP8_PREFIX
+from safeserve.kernels.fused_moe_fp8 import load_fp8_table
 
 
 def test_config_lookup_nearest(tmp_path: Path) -> None:
@@ -29,12 +31,22 @@ def test_config_lookup_nearest(tmp_path: Path) -> None:
     assert other == mc.default_config(50, 60, 8)
 
 
+def _bf16_tables() -> list[Path]:
+    """The shipped fused-MoE tables (the block-FP8 ones, named with their scheme first, hold
+    the FP8 kernel's entries)."""
+    return [p for p in sorted(mc.CONFIG_DIR.glob("*.json")) if not p.name.startswith(FP8_PREFIX)]
+
+
 def test_shipped_config_files_are_valid() -> None:
-    files = sorted(mc.CONFIG_DIR.glob("*.json"))
+    files = _bf16_tables()
     assert files
     for path in files:
         table = mc.load_config_table(str(path))  # validates every entry
         assert table, path
+    fp8 = sorted(mc.CONFIG_DIR.glob(f"{FP8_PREFIX}*.json"))
+    assert fp8
+    for path in fp8:
+        assert load_fp8_table(str(path)), path  # validates every entry
     sweeps = Path(__file__).resolve().parents[2] / "kernels" / "configs"
     for path in sorted(sweeps.glob("sweep_*.json")):
         for i, cfg in enumerate(json.loads(path.read_text())):
@@ -121,7 +133,7 @@ def test_fit_config_fits_every_device_class() -> None:
     once fitted; where it already fit, it is unchanged. (tests/kernels/gpu_compile.py compiles
     them for those targets and checks what Triton allocates.)"""
     configs = [mc.default_config(t, e, 8) for t in (1, 4, 8, 64, 512, 2048, 4096) for e in (8, 128)]
-    for path in sorted(mc.CONFIG_DIR.glob("*.json")):
+    for path in _bf16_tables():
         configs += list(mc.load_config_table(str(path)).values())
     for shared in (227 * 1024, 163 * 1024, 99 * 1024):
         budget = mc.smem_budget(shared)
