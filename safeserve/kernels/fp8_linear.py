@@ -10,12 +10,12 @@ scale per program and K step); BLOCK_M by row count. Untuned defaults, not a tab
 `block == (128, 128)` takes the kernel (other blocks run the torch reference).
 
 Decode-sized calls (up to `SKINNY_MAX_ROWS` rows) take `_fp8_skinny_kernel` instead, the FP8
-form of `linear.skinny_linear`: one program per (column tile, 128-column K block), so a weight
-of a few MB spreads over hundreds of programs instead of a few dozen that each loop over K.
-Each program reads its weight tile before its dependent-launch wait, quantizes its rows' 128
-columns itself (the values `token_group_quant` gives: no launch of its own), stores its scaled
-float32 product, and the last program of a column tile to arrive sums the K blocks in order
-(the tiled kernel's order), adds the bias and stores.
+form of `linear.skinny_linear`: one program per (column tile, K slice of one or two 128-column
+blocks: `skinny_kb_per`), so a weight of a few MB spreads over hundreds of programs instead of a
+few dozen that each loop over K. Each program reads its first weight tile before its
+dependent-launch wait, quantizes its rows' columns itself (the values `token_group_quant` gives:
+no launch of its own), stores its scaled float32 product, and the last program of a column tile
+to arrive sums the K slices in order (the tiled kernel's order), adds the bias and stores.
 """
 
 from __future__ import annotations
