@@ -243,7 +243,7 @@ def test_waiting_streams_move_to_an_undrained_group_over_http(server_factory) ->
     from serving import admin_groups, metric, sse_chunk
 
     s = server_factory(
-        ["--num-groups", "2", "--max-model-len", "256", "--max-running-requests", "1"]
+        ["--num-groups", "2", "--max-model-len", "1024", "--max-running-requests", "1"]
     )
     prompts = [[20 + 7 * i + j for j in range(8)] for i in range(6)]
 
@@ -305,7 +305,9 @@ def test_waiting_streams_move_to_an_undrained_group_over_http(server_factory) ->
     assert metric(s, "safeserve:requests_lost_total") == 0
     # A stream whose client goes away while it waits (no token, so no headers yet) is dropped
     # from its group and answered 499; the running ones are not touched.
-    long = body(prompts[0], True) | {"max_tokens": 200}
+    # long enough to hold both slots well past the waiting request's 1 s read timeout (a rank
+    # of the tiny model makes a few hundred tokens a second here)
+    long = body(prompts[0], True) | {"max_tokens": 1000}
     closed = 'safeserve:requests_total{endpoint="/v1/completions",status="499"}'
     before = metric(s, closed)
     with httpx.Client(timeout=120) as c:
