@@ -121,7 +121,7 @@ def test_node_loss_costs_its_group_only_and_no_request(cluster, checkpoint: Path
     killed_at: list[float] = []
 
     def fault(running: dict[int, int]) -> None:
-        killed_at.append(time.time())
+        killed_at.append(time.monotonic())
         kill_tree(agents[victim])
 
     results = asyncio.run(
@@ -136,8 +136,7 @@ def test_node_loss_costs_its_group_only_and_no_request(cluster, checkpoint: Path
     assert metric(s, "safeserve:request_migrations_total") >= 1
     assert metric(s, "safeserve:requests_suspect_cleared_total") == 0
     assert metric(s, "safeserve:requests_suspect") == 0
-    node = next(n for n in nodes_view(s)["nodes"] if n["id"] == victim)
-    assert node["state"] == "LOST", node
+    _lost_by(s, victim, killed_at[0] + nodes_view(s)["lease_s"] + 1.0)
     (g,) = [g for g in admin_groups(s) if g["id"] == spanning]
     assert g["failures"] >= 1
     other = 1 - spanning
@@ -203,6 +202,17 @@ def _wait_ready(s, within: float) -> None:  # type: ignore[no-untyped-def]
     assert all(n["state"] == "READY" for n in nodes_view(s)["nodes"]), nodes_view(s)
 
 
+def _lost_by(s, victim: str, deadline: float) -> dict:  # type: ignore[no-untyped-def]
+    """`victim`'s node view once it is LOST, asserting that happens by `deadline` (monotonic):
+    a group's own watchdog can fail it and move its streams on before the node's lease ends."""
+    while True:
+        node = next(n for n in nodes_view(s)["nodes"] if n["id"] == victim)
+        if node["state"] == "LOST":
+            return node
+        assert time.monotonic() < deadline, node
+        time.sleep(0.05)
+
+
 def _streams_through(s, checkpoint: Path, victim: str, fault) -> list[int]:  # type: ignore[no-untyped-def]
     """With every group READY: the rank pids of `victim`'s group, then N greedy streams with
     `fault` done once they run; each checked against transformers (none lost or repeated: a
@@ -235,8 +245,8 @@ def test_partition_costs_one_group_and_its_ranks_stop_by_the_lease(
 
     pids = _streams_through(s, checkpoint, victim, fault)
     lease = nodes_view(s)["lease_s"]
-    node = next(n for n in nodes_view(s)["nodes"] if n["id"] == victim)
-    assert node["state"] == "LOST" and "lease" in node["lost_reason"], node
+    node = _lost_by(s, victim, cut_at[0] + lease + 1.0)
+    assert "lease" in node["lost_reason"], node
     # the cut-off group's ranks are gone by the lease deadline: the agent stops its own, the
     # frontend's fence stops those on the other node
     while not _gone(pids):
@@ -264,8 +274,7 @@ def test_frozen_node_costs_one_group_and_its_ranks_stop_when_it_thaws(
 
     try:
         pids = _streams_through(s, checkpoint, victim, fault)
-        node = next(n for n in nodes_view(s)["nodes"] if n["id"] == victim)
-        assert node["state"] == "LOST", node
+        _lost_by(s, victim, stopped_at[0] + nodes_view(s)["lease_s"] + 1.0)
     finally:
         thawed = time.monotonic()
         for pid in tree:
