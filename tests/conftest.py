@@ -9,8 +9,11 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+import interpreter_numerics  # noqa: E402
 from checkpoints import write_qwen3_moe_checkpoint  # noqa: E402
 from serving import Server, start_server, stop_server  # noqa: E402
+
+interpreter_numerics.apply()  # TRITON_INTERPRET=1 runs only
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
