@@ -102,8 +102,10 @@ class HFTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # As transformers does: the tokenizer's post-processor adds BOS etc. for plain prompts;
-        # a rendered chat template already holds its special tokens.
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # a rendered chat template already holds its special tokens. A batch of one: unlike
+        # `encode`, `encode_batch` lets go of the GIL, so a long prompt encoded on a worker
+        # thread leaves the server's event loop running (same ids).
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)

@@ -154,9 +154,29 @@ def _overlap_view(state: ServerState) -> dict[str, Any]:
     }
 
 
+_YES = ("", "1", "true", "yes", "on")  # a bare `?dry_run` asks for one
+_NO = ("0", "false", "no", "off")
+
+
+def dry_run_asked(request: Request) -> bool:
+    """`?dry_run=...`: a value that is neither yes nor no is a 400, never taken for a no (an
+    operator who asked for a dry run gets one or nothing)."""
+    value = request.query_params.get("dry_run")
+    if value is None:
+        return False
+    if value.strip().lower() in _YES:
+        return True
+    if value.strip().lower() in _NO:
+        return False
+    raise bad_request(
+        f"dry_run must be one of 1, true, yes, on (or empty) or 0, false, no, off; got {value!r}",
+        "dry_run",
+    )
+
+
 def _lift(state: ServerState, request: Request, fp: str | None) -> Response:
     """Ends quarantines (identical requests are admitted again); a dry run only names them."""
-    dry_run = request.query_params.get("dry_run", "") in ("1", "true")
+    dry_run = dry_run_asked(request)
     gen = state.generator
     lifted = gen.qod.lift(fp, dry_run) if gen is not None else []
     if fp is not None and not lifted:
@@ -264,7 +284,7 @@ def build_admin_app(state: ServerState) -> FastAPI:
         if action not in ("drain", "undrain", "restart"):
             raise APIError(404, "action must be drain, undrain or restart", "not_found")
         sup = sups[group_id]
-        dry_run = request.query_params.get("dry_run", "") in ("1", "true")
+        dry_run = dry_run_asked(request)
         if dry_run:
             # Server-side dry run: the same checks as the action, and nothing changes.
             why = sup.refusal(action)

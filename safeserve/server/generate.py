@@ -32,6 +32,7 @@ from safeserve.messages import RequestOutput, SamplingParams, TokenLogprob
 from safeserve.model.tokenizer import Tokenizer
 from safeserve.server.detokenizer import IncrementalDetokenizer
 from safeserve.server.errors import APIError, unavailable
+from safeserve.server.group_client import GroupUnavailable
 from safeserve.server.metrics import Metrics
 from safeserve.server.router import GroupRouter, NoGroupReady
 from safeserve.server.supervisor import Supervisor
@@ -92,8 +93,11 @@ class Generation:
         """Submits to `sup`'s group and remembers the incarnation (its client) it went to: a
         failure is judged by that incarnation's cause, whatever the group is running since."""
         assert sup.client is not None
-        self.supervisor, self.client = sup, sup.client
-        self.queue = sup.client.submit(self.engine_rid, prompt, params)
+        try:
+            queue = sup.client.submit(self.engine_rid, prompt, params)
+        except GroupUnavailable as e:  # nothing sent: as if no group had been READY
+            raise NoGroupReady(str(e)) from e
+        self.supervisor, self.client, self.queue = sup, sup.client, queue
 
     @property
     def engine_rid(self) -> str:
@@ -117,14 +121,20 @@ class Generation:
             and client.queues.get(self.engine_rid) is self.queue
         )
 
-    def move_to(self, sup: Supervisor) -> None:
-        """Aborts the request in its group and submits it afresh to `sup` (callers check
-        `movable` first, with no await in between)."""
+    def move_to(self, sup: Supervisor) -> bool:
+        """Submits the request afresh to `sup` and aborts it in its group (callers check
+        `movable` first, with no await in between); False where `sup` could not take it (it
+        stays where it waits)."""
         old_client, old_queue, old_group = self.supervisor.client, self.queue, self.supervisor.group
         assert old_client is not None and sup.client is not None
-        old_client.abort(self.engine_rid)
+        old_rid = self.engine_rid
         self.moves += 1
-        self._submit(sup, self.prompt_ids, self.params)
+        try:
+            self._submit(sup, self.prompt_ids, self.params)
+        except NoGroupReady:  # `sup` cannot take it now: it keeps waiting where it is
+            self.moves -= 1
+            return False
+        old_client.abort(old_rid)
         old_queue.put_nowait(RequestOutput(self.rid, [], MOVED))  # wakes its reader
         self.owner.router.count(sup, "moved")
         logger.info(
@@ -133,6 +143,7 @@ class Generation:
             old_group,
             sup.group,
         )
+        return True
 
     async def _next(self) -> RequestOutput:
         if self._pending is not None:
@@ -170,9 +181,10 @@ class Generation:
                     self.prompt_logprobs = out.prompt_logprobs
                 finish = out.finish_reason
                 text = self.detok.add(out.new_token_ids, finished=finish is not None)
-                if self.detok.stopped and finish is None:
+                if self.detok.stopped:  # a stop string, even one its last allowed token ends
+                    if finish is None:
+                        self._client_abort()  # the engine stops working on it now
                     finish = "stop"
-                    self._client_abort()  # the engine stops working on it now
                 if finish is not None:
                     self.finished = True
                     self._observe_end(now)
@@ -273,7 +285,10 @@ class Generation:
                 f"{args.migration_wait_s:g} s"
             )
         gen.qod.place(self.rid, sup.group)  # no await since the pick: no other suspect got it
-        self._submit(sup, prompt, params)
+        try:
+            self._submit(sup, prompt, params)
+        except NoGroupReady as e:
+            self._give_up(f"group {sup.group} could not take it: {e}")
         gen.metrics.migrations.inc()
         logger.warning(
             "request %s (fingerprint %s) was in flight on group %d when it failed (%d tokens "
@@ -388,7 +403,8 @@ class Generator:
                 continue
             if waiting[src] <= 0 or occupied[src] - occupied[target.group] < 2:
                 continue
-            gen.move_to(target)
+            if not gen.move_to(target):
+                break  # the target takes no more now
             occupied[src] -= 1
             waiting[src] -= 1
             occupied[target.group] += 1

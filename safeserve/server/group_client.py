@@ -134,6 +134,9 @@ class GroupClient:
         self._req = self._ctx.socket(zmq.PUSH)
         self._req.setsockopt(zmq.LINGER, 0)
         self._req.bind(self.addrs.requests)
+        # sends through a blocking view of the same socket: an asyncio socket's NOBLOCK send
+        # puts zmq.Again in a future nobody reads instead of raising it
+        self._req_now = zmq.Socket.shadow(self._req.underlying)
         self._out = self._ctx.socket(zmq.PULL)
         self._out.bind(self.addrs.outputs)
         self._hb = self._ctx.socket(zmq.PULL)
@@ -197,7 +200,7 @@ class GroupClient:
     def _send(self, msg: object) -> None:
         """To the group's leader; never blocks (zmq.Again where no leader is there to read)."""
         if self.hub is None:
-            self._req.send(pickle.dumps(msg), flags=zmq.NOBLOCK)
+            self._req_now.send(pickle.dumps(msg), flags=zmq.NOBLOCK)
         elif self._link is not None:
             self._link.send(msg)
         else:
@@ -242,9 +245,15 @@ class GroupClient:
     def submit(
         self, rid: str, prompt_ids: list[int], params: SamplingParams
     ) -> asyncio.Queue[RequestOutput]:
+        """The request's output queue; GroupUnavailable where the leader cannot take it now
+        (none connected, or its inbox full): nothing was sent."""
         q: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self.queues[rid] = q
-        self._send(GenerateRequest(rid, prompt_ids, params))
+        try:
+            self._send(GenerateRequest(rid, prompt_ids, params))
+        except zmq.ZMQError as e:
+            self.queues.pop(rid, None)
+            raise GroupUnavailable(f"group {self.group} could not take the request: {e}") from e
         return q
 
     def abort(self, rid: str) -> None:

@@ -10,7 +10,6 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
-    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -26,11 +25,33 @@ MAX_STOP_STRINGS = 16
 # for chat; both take 20 here).
 MAX_TOP_LOGPROBS = 20
 
-# Fields (of either request) that would change the answer and that this server cannot honour:
-# refused with 400 when set to anything but their neutral value, never ignored.
-_UNSUPPORTED = {
-    "logit_bias": "logit_bias is not supported",
-    "suffix": "suffix is not supported",
+# Fields (of either request, OpenAI's and the vLLM/SGLang extensions clients send) that would
+# change the answer and that this server cannot honour: refused with 400 when set to anything
+# but their neutral value (or null), never ignored. name -> neutral value.
+_UNSUPPORTED: dict[str, Any] = {
+    "logit_bias": {},
+    "suffix": "",
+    "repetition_penalty": 1.0,
+    "length_penalty": 1.0,
+    "min_p": 0.0,
+    "typical_p": 1.0,
+    "min_tokens": 0,
+    "use_beam_search": False,
+    "include_stop_str_in_output": False,
+    "allowed_token_ids": [],
+    "bad_words": [],
+    "truncate_prompt_tokens": None,
+    "prompt_logprobs": None,
+    "logits_processors": None,
+    "guided_json": None,
+    "guided_regex": None,
+    "guided_choice": None,
+    "guided_grammar": None,
+    "guided_decoding_backend": None,
+    "structured_outputs": None,
+    "regex": None,
+    "json_schema": None,
+    "ebnf": None,
 }
 
 
@@ -64,7 +85,6 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     return_token_ids: bool = False
-    logit_bias: dict[str, Any] | None = None
     # Fault injection only (--enable-fault-injection): the engine fails this request.
     safeserve_fault: str | None = Field(
         default=None, json_schema_extra={"enum": list(REQUEST_FAULTS)}
@@ -77,12 +97,19 @@ class _SamplingFields(BaseModel):
             raise ValueError(f"must be one of {', '.join(REQUEST_FAULTS)}")
         return v
 
-    @field_validator(*_UNSUPPORTED, check_fields=False)
+    @model_validator(mode="before")
     @classmethod
-    def _unsupported(cls, v: Any, info: ValidationInfo) -> Any:
-        if v:  # anything but the field's neutral value (unset, empty, false, 0)
-            raise ValueError(_UNSUPPORTED[info.field_name or ""])
-        return v
+    def _nulls_and_unsupported(cls, body: Any) -> Any:
+        """A top-level null is the field's default, as OpenAI's API takes it (clients send
+        `"temperature": null`); an unsupported field set to anything but its neutral value is
+        refused, whatever its type."""
+        if not isinstance(body, dict):
+            return body
+        for name, neutral in _UNSUPPORTED.items():
+            v = body.get(name)
+            if v is not None and not (v == neutral or (v in ({}, []) and neutral is None)):
+                raise bad_request(f"{name}: {name} is not supported", name)
+        return {k: v for k, v in body.items() if v is not None and k not in _UNSUPPORTED}
 
     @field_validator("n")
     @classmethod
@@ -108,6 +135,12 @@ class _SamplingFields(BaseModel):
             raise ValueError("stop strings must not be empty")
         return v
 
+    @model_validator(mode="after")
+    def _stream_options_with_stream(self) -> Any:
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed with stream: true", "stream_options")
+        return self
+
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
@@ -118,8 +151,7 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(default=16, ge=0)
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    best_of: int | None = None
-    suffix: str | None = None
+    best_of: int | None = Field(default=None, ge=1)
 
     @field_validator("best_of")
     @classmethod
@@ -189,14 +221,18 @@ class ChatCompletionRequest(_SamplingFields):
             (self.tools, self.tool_choice, "tools"),
             (self.functions, self.function_call, "functions"),
         ):
+            choice_name = "tool_choice" if name == "tools" else "function_call"
             if tools and choice != "none":
-                raise ValueError(
-                    f"{name} are not supported (no tool-call parser); send "
-                    f'{"tool_choice" if name == "tools" else "function_call"} "none" to pass '
-                    "them without calls"
+                raise bad_request(
+                    f"{name}: {name} are not supported (no tool-call parser); send "
+                    f'{choice_name} "none" to pass them without calls',
+                    name,
                 )
             if choice not in (None, "none", "auto"):
-                raise ValueError(f"{name}: a forced call is not supported (no tool-call parser)")
+                raise bad_request(
+                    f"{choice_name}: a forced call is not supported (no tool-call parser)",
+                    choice_name,
+                )
         return self
 
 

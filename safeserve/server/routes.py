@@ -9,6 +9,7 @@ in `intake.py`, generation in `generate.py`, the streamed or collected answer in
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -95,7 +96,8 @@ def install_routes(app: FastAPI, state: ServerState) -> None:
     async def completions(request: Request) -> Response:
         req: P.CompletionRequest = P.parse(P.CompletionRequest, await _json_body(state, request))
         _check_model(state, req.model)
-        prompt_ids = I.completion_prompt_ids(state, req.prompt)
+        # tokenized on a worker thread: a long prompt never stalls the streams of others
+        prompt_ids = await asyncio.to_thread(I.completion_prompt_ids, state, req.prompt)
         shape = I.completion_shape(state, req, prompt_ids)
         gen = I.start(state, "cmpl-", prompt_ids, req, req.max_tokens, shape, False)
         answer = stream_response if req.stream else collect_response
@@ -113,7 +115,7 @@ def install_routes(app: FastAPI, state: ServerState) -> None:
         body = await _json_body(state, request)
         req: P.ChatCompletionRequest = P.parse(P.ChatCompletionRequest, body)
         _check_model(state, req.model)
-        prompt_ids = I.chat_prompt_ids(state, req)
+        prompt_ids = await asyncio.to_thread(I.chat_prompt_ids, state, req)
         max_tokens = req.max_completion_tokens or req.max_tokens
         shape = I.chat_shape(req)
         gen = I.start(state, "chatcmpl-", prompt_ids, req, max_tokens, shape, True)

@@ -155,6 +155,35 @@ def test_stream_ends_with_done_and_stop_string_cuts_text(server: Server) -> None
     assert streamed == text[:first]
 
 
+def test_a_stop_string_that_the_last_allowed_token_completes_finishes_as_stop(
+    server: Server,
+) -> None:
+    """max_tokens k, and a stop string that first occurs ending with the k-th token's text: the
+    text is cut before it and the finish reason is "stop" (not "length"), streamed or not."""
+    client = _client(server)
+    kw = dict(model=MODEL, prompt="A last stop", temperature=0, extra_body={"ignore_eos": True})
+    full = client.completions.create(max_tokens=24, **kw).choices[0].text
+    picked = None
+    for k in range(4, 20):
+        head = client.completions.create(max_tokens=k, **kw).choices[0].text
+        if not head or not full.startswith(head) or "\ufffd" in head:
+            continue  # only a prefix that later tokens do not change
+        ends = [head[-c:] for c in range(1, len(head) + 1)]
+        stop = next((e for e in ends if head.find(e) == len(head) - len(e)), None)
+        if stop is not None and len(head) > len(
+            client.completions.create(max_tokens=k - 1, **kw).choices[0].text
+        ):
+            picked = (k, head, stop)
+            break
+    assert picked is not None, full
+    k, head, stop = picked
+    cut = client.completions.create(max_tokens=k, stop=[stop], **kw).choices[0]
+    assert (cut.text, cut.finish_reason) == (head[: -len(stop)], "stop")
+    chunks = list(client.completions.create(max_tokens=k, stop=[stop], stream=True, **kw))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == head[: -len(stop)]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+
+
 def test_metrics_exposed(server: Server) -> None:
     _client(server).completions.create(model=MODEL, prompt="count me", max_tokens=4, temperature=0)
     text = httpx.get(server.url + "/metrics").text

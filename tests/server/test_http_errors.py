@@ -33,6 +33,15 @@ BAD = [
     ("logit_bias", {"model": MODEL, "prompt": "hi", "logit_bias": {"5": 100}}, 400),
     ("best_of", {"model": MODEL, "prompt": "hi", "best_of": 3}, 400),
     ("suffix", {"model": MODEL, "prompt": "hi", "suffix": " end"}, 400),
+    ("best_of 0", {"model": MODEL, "prompt": "hi", "best_of": 0}, 400),
+    # the extensions clients of other servers send (vLLM, SGLang): refused where not neutral
+    ("repetition_penalty", {"model": MODEL, "prompt": "hi", "repetition_penalty": 1.2}, 400),
+    ("min_p", {"model": MODEL, "prompt": "hi", "min_p": 0.5}, 400),
+    ("min_tokens", {"model": MODEL, "prompt": "hi", "min_tokens": 4}, 400),
+    ("guided_json", {"model": MODEL, "prompt": "hi", "guided_json": {"type": "object"}}, 400),
+    ("stop_str_in_output", {"model": MODEL, "prompt": "a", "include_stop_str_in_output": 1}, 400),
+    ("stream_options", {"model": MODEL, "prompt": "hi", "stream_options": {}}, 400),
+    ("null model", {"model": None, "prompt": "hi"}, 400),
 ]
 
 
@@ -68,18 +77,54 @@ def test_chat_bad_inputs(server: Server) -> None:
         ({"model": MODEL, "messages": user, "response_format": {"type": "json_object"}}, "json"),
         ({"model": MODEL, "messages": user, "top_logprobs": 2}, "logprobs"),
         ({"model": MODEL, "messages": user, "logit_bias": {"7": -100}}, "logit_bias"),
+        ({"model": MODEL, "messages": user, "repetition_penalty": 0.5}, "repetition_penalty"),
     ):
         r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=headers)
         assert r.status_code == 400, (body, r.text)
         assert says in r.json()["error"]["message"], r.text
+        if says.split()[0] in body:  # the error names the field the client sent
+            assert r.json()["error"]["param"] == says.split()[0], r.text
     # their neutral values pass: tools the model must not call, a text answer, no bias
     for extra in (
         {"tools": [tool], "tool_choice": "none"},
         {"response_format": {"type": "text"}, "logit_bias": {}, "tool_choice": "auto"},
+        {"repetition_penalty": 1, "min_p": 0.0, "min_tokens": 0, "guided_json": None},
     ):
         body = {"model": MODEL, "messages": user, "max_tokens": 2, **extra}
         r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=headers)
         assert r.status_code == 200, (extra, r.text)
+
+
+def test_null_is_the_default_as_openai_takes_it(server: Server) -> None:
+    """Fields sent as null (wrapper libraries pass None through) get their defaults: the same
+    greedy answer as without them, on both endpoints."""
+    client = _client(server)
+    nulls = dict(top_p=None, n=None, presence_penalty=None, frequency_penalty=None, seed=None)
+    plain = client.completions.create(model=MODEL, prompt="Null", max_tokens=6, temperature=0)
+    with_nulls = client.completions.create(
+        model=MODEL,
+        prompt="Null",
+        max_tokens=6,
+        temperature=0,
+        stream=None,
+        echo=None,
+        logprobs=None,
+        extra_body={"top_k": None, "ignore_eos": None, "return_token_ids": None},
+        **nulls,
+    )
+    assert with_nulls.choices[0].text == plain.choices[0].text
+    assert with_nulls.usage == plain.usage
+    user = [{"role": "user", "content": "Null"}]
+    chat = client.chat.completions.create(model=MODEL, messages=user, max_tokens=6, temperature=0)
+    chat_nulls = client.chat.completions.create(
+        model=MODEL, messages=user, max_tokens=6, temperature=None, logprobs=None, **nulls
+    )
+    # temperature null is 1.0 (sampled): compare the greedy ones only by shape
+    assert chat_nulls.choices[0].finish_reason in ("length", "stop")
+    chat_greedy_nulls = client.chat.completions.create(
+        model=MODEL, messages=user, max_tokens=6, temperature=0, logprobs=None, **nulls
+    )
+    assert chat_greedy_nulls.choices[0].message.content == chat.choices[0].message.content
 
 
 def test_auth_and_body_size(server: Server) -> None:
@@ -129,6 +174,32 @@ def test_unknown_paths_and_methods_answer_in_the_error_shape(server: Server) -> 
     assert r.status_code == 400 and r.json()["error"]["param"] == "group_id", r.text
     r = httpx.get(server.admin_url + "/admin/nothing")
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+
+
+def test_an_admin_dry_run_never_acts(server: Server) -> None:
+    """Every spelling of yes is a dry run (nothing changes), a value that is neither yes nor no
+    is a 400, and only an explicit no acts."""
+    admin = server.admin_url + "/admin"
+
+    def state() -> str:
+        return httpx.get(admin + "/groups").json()["groups"][0]["state"]
+
+    assert state() == "READY"
+    for value in ("?dry_run", "?dry_run=", "?dry_run=1", "?dry_run=True", "?dry_run=YES"):
+        for action in ("drain", "restart"):
+            r = httpx.post(f"{admin}/groups/0/{action}{value}")
+            assert r.status_code == 200 and r.json()["dry_run"] is True, (value, r.text)
+            assert state() == "READY", value
+    for value in ("?dry_run=banana", "?dry_run=2"):
+        r = httpx.post(f"{admin}/groups/0/drain{value}")
+        assert r.status_code == 400 and r.json()["error"]["param"] == "dry_run", r.text
+        r = httpx.delete(f"{admin}/quarantine{value}")
+        assert r.status_code == 400 and r.json()["error"]["param"] == "dry_run", r.text
+    assert state() == "READY"
+    r = httpx.delete(f"{admin}/quarantine?dry_run=on")
+    assert r.status_code == 200 and r.json()["dry_run"] is True
+    r = httpx.post(f"{admin}/groups/0/undrain?dry_run=false")  # acts: refused, READY
+    assert r.status_code == 409 and state() == "READY"
 
 
 JSON = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
