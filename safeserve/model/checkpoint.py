@@ -93,6 +93,13 @@ class _Checkpoint:
                 raise LoadError(f"no *.safetensors files in {model_dir}")
             weight_map = {}
         self.handles = {f: safe_open(str(model_dir / f), framework=framework) for f in files}
+        if weight_map:  # the index must say where each tensor is (headers only)
+            held = {f: set(h.keys()) for f, h in self.handles.items()}
+            for name, f in weight_map.items():
+                if name not in held[f]:
+                    raise LoadError(
+                        f"{index.name} puts tensor {name!r} in {f}, which has no such tensor"
+                    )
         if not weight_map:
             for f, h in self.handles.items():
                 for k in h.keys():

@@ -104,6 +104,21 @@ class Fp8Config:
         return cls(ignored=tuple(ignored))
 
 
+# Keys that name the same field in configs of different transformers versions.
+_ALIASES = {"num_experts": ("num_local_experts",), "num_local_experts": ("num_experts",)}
+
+
+def with_defaults(d: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """`d` with each field of `defaults` that it leaves out (under any of its names) added:
+    what transformers' config class of the family fills in for a `config.json` without it, so
+    that both read the same model (Mixtral without `rope_theta` is RoPE base 1e6, not 1e4)."""
+    out = dict(d)
+    for key, value in defaults.items():
+        if not any(name in d for name in (key, *_ALIASES.get(key, ()))):
+            out[key] = value
+    return out
+
+
 @dataclass
 class ModelConfig:
     model_type: str
@@ -145,8 +160,15 @@ class ModelConfig:
         return 0
 
     @staticmethod
-    def common(d: dict[str, Any], rope_types: tuple[str, ...] = ("default",)) -> dict[str, Any]:
-        """The shared fields of `d`, as keyword arguments of a family's config class."""
+    def common(
+        d: dict[str, Any],
+        rope_types: tuple[str, ...] = ("default",),
+        defaults: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """The shared fields of `d`, as keyword arguments of a family's config class; a field
+        `d` leaves out is read from `defaults` (`with_defaults`: the family's transformers
+        defaults), and `raw` stays `d` as written."""
+        raw, d = d, with_defaults(d, defaults or {})
         hidden_act = d.get("hidden_act", "silu")
         if hidden_act != "silu":
             raise ModelConfigError(f"hidden_act {hidden_act!r} is not supported (only silu)")
@@ -178,7 +200,7 @@ class ModelConfig:
                 eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
                 bos_token_id=d.get("bos_token_id"),
                 quant=Fp8Config.of_checkpoint(d.get("quantization_config")),
-                raw=d,
+                raw=raw,
             )
         except KeyError as e:
             raise ModelConfigError(f"config.json has no {e.args[0]!r}") from e

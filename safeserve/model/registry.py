@@ -54,7 +54,11 @@ def spec_module(name: str) -> ModuleType:
 
 def parse_config(d: dict[str, Any]) -> ModelConfig:
     """The family's config of a `config.json` dict; ModelConfigError (one line) if unservable."""
-    cfg: ModelConfig = spec_module(family_name(d)).parse_config(d)
+    family = family_name(d)
+    cfg: ModelConfig = spec_module(family).parse_config(d)
+    # the family it was chosen as, which every later lookup dispatches on (a config may name
+    # only its architecture, or a `model_type` of its own: Kimi K2's `kimi_k2`)
+    cfg.model_type = family
     cfg.check()
     return cfg
 

@@ -60,3 +60,25 @@ def test_serve_refuses_before_starting_any_rank(good: Path, tmp_path: Path) -> N
     )
     assert r.returncode == 2, r.stderr[-2000:]
     assert name in r.stderr and "rank" not in r.stderr
+
+
+def test_an_index_that_puts_a_tensor_in_the_wrong_shard_is_named(tmp_path: Path) -> None:
+    import json
+
+    ckpt = write_qwen3_moe_checkpoint(tmp_path / "sharded", seed=3, max_shard_size="20KB")
+    index_path = ckpt / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    name = "model.layers.0.self_attn.k_proj.weight"
+    shards = sorted(set(index["weight_map"].values()))
+    index["weight_map"][name] = next(f for f in shards if f != index["weight_map"][name])
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(LoadError, match=f"puts tensor '{name}' in"):
+        check_checkpoint(str(ckpt), load_model_config(str(ckpt)))
+    r = subprocess.run(
+        [sys.executable, "-m", "safeserve.cli", "serve", "--model", str(ckpt), "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert len(r.stderr.strip().splitlines()) == 1 and name in r.stderr, r.stderr[-2000:]

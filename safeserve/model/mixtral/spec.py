@@ -26,6 +26,17 @@ from safeserve.parallel.layout import Layout
 MODEL = "safeserve.model.mixtral.model:MixtralForCausalLM"
 
 
+# What transformers' MixtralConfig fills in for a field config.json leaves out that changes what
+# the weights compute (a shape it leaves out is the checkpoint's to say: a wrong one is refused).
+DEFAULTS: dict[str, Any] = dict(
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    rms_norm_eps=1e-5,
+    rope_theta=1e6,
+    max_position_embeddings=4096 * 32,
+)
+
+
 def parse_config(d: dict[str, Any]) -> ModelConfig:
     # transformers masks by `sliding_window` whenever it is set (there is no use_sliding_window).
     window = d.get("sliding_window")
@@ -35,14 +46,12 @@ def parse_config(d: dict[str, Any]) -> ModelConfig:
         )
     if "intermediate_size" not in d:
         raise ModelConfigError("config.json has no 'intermediate_size'")
-    common = ModelConfig.common(d)
+    common = ModelConfig.common(d, defaults=DEFAULTS)
     return ModelConfig(
         **common
         | dict(
             model_type="mixtral",
             moe_intermediate_size=d["intermediate_size"],  # one expert's width
-            num_experts=common["num_experts"] or 8,  # transformers' defaults
-            num_experts_per_tok=common["num_experts_per_tok"] or 2,
             norm_topk_prob=True,  # Mixtral always renormalizes its top k
             attention_bias=False,
         )

@@ -38,10 +38,22 @@ class Qwen2MoeConfig(SparseStepConfig):
         return self.shared_expert_intermediate_size
 
 
+# What transformers' Qwen2MoeConfig fills in for a field config.json leaves out that changes what
+# the weights compute (a shape it leaves out is the checkpoint's to say: a wrong one is refused).
+DEFAULTS: dict[str, Any] = dict(
+    num_experts=60,
+    num_experts_per_tok=4,
+    norm_topk_prob=False,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    max_position_embeddings=32768,
+)
+
+
 def parse_config(d: dict[str, Any]) -> Qwen2MoeConfig:
     if "shared_expert_intermediate_size" not in d:
         raise ModelConfigError("config.json has no 'shared_expert_intermediate_size'")
-    common = ModelConfig.common(d)
+    common = ModelConfig.common(d, defaults=DEFAULTS)
     return Qwen2MoeConfig(
         **common
         | dict(

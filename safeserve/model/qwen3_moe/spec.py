@@ -29,8 +29,22 @@ class Qwen3MoeConfig(SparseStepConfig):
     pass
 
 
+# What transformers' Qwen3MoeConfig fills in for a field config.json leaves out that changes what
+# the weights compute (a shape it leaves out is the checkpoint's to say: a wrong one is refused).
+DEFAULTS: dict[str, Any] = dict(
+    num_experts=128,
+    num_experts_per_tok=8,
+    norm_topk_prob=False,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    max_position_embeddings=32768,
+)
+
+
 def parse_config(d: dict[str, Any]) -> Qwen3MoeConfig:
-    return Qwen3MoeConfig(**ModelConfig.common(d), **SparseStepConfig.sparse_fields(d))
+    return Qwen3MoeConfig(
+        **ModelConfig.common(d, defaults=DEFAULTS), **SparseStepConfig.sparse_fields(d)
+    )
 
 
 def weight_specs(
