@@ -106,6 +106,12 @@ class ServerArgs:
 
     # -- scheduling and KV cache ---------------------------------------------------------------
     max_running_requests: int = _flag(64, "Most requests decoding at once.", "scheduler")
+    max_queued_requests: int = _flag(
+        0,
+        "Most requests waiting for a decode slot on the READY groups together; a new request "
+        "beyond them gets 503 with Retry-After (0: no limit).",
+        "scheduler",
+    )
     max_num_batched_tokens: int = _flag(
         2048, "Token budget of one engine step (prefill chunks + decode tokens).", "scheduler"
     )
@@ -448,6 +454,8 @@ class ServerArgs:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
         if self.cuda_graph_max_bs < 1:
             raise ConfigError("--cuda-graph-max-bs must be at least 1")
+        if self.max_queued_requests < 0:
+            raise ConfigError("--max-queued-requests must be 0 (no limit) or positive")
         if self.cuda_graph_max_tokens < 0:
             raise ConfigError("--cuda-graph-max-tokens must be 0 (off) or positive")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size < 1:

@@ -379,7 +379,9 @@ class Generator:
     def start(
         self, rid: str, prompt_ids: list[int], params: SamplingParams, stop: list[str]
     ) -> Generation:
-        gen = Generation(self, rid, prompt_ids, params, stop, self.admit(prompt_ids, params))
+        fp = self.admit(prompt_ids, params)
+        self._shed_when_full()
+        gen = Generation(self, rid, prompt_ids, params, stop, fp)
         self.active[rid] = gen
         self.router.active = len(self.active)
         return gen
@@ -412,6 +414,22 @@ class Generator:
         if moved:
             logger.info("group %d READY: moved %d waiting request(s) to it", target.group, moved)
         return moved
+
+    def _shed_when_full(self) -> None:
+        """503 with Retry-After while --max-queued-requests wait for a decode slot on the READY
+        groups together (queued at their last report, or sent beyond their slots since:
+        `router.score`)."""
+        cap = self.args.max_queued_requests
+        if cap <= 0:
+            return
+        waiting = sum(self.router.score(s).queued for s in self.router.ready())
+        if waiting >= cap:
+            self.metrics.shed.inc()
+            raise unavailable(
+                f"{waiting} requests already wait for a decode slot (--max-queued-requests "
+                f"{cap}); retry later",
+                retry_after=1.0,
+            )
 
     def admit(self, prompt_ids: list[int], params: SamplingParams) -> str:
         """The request's fingerprint; 422 `request_quarantined` (with Retry-After) if an

@@ -282,6 +282,12 @@ METRICS: tuple[MetricSpec, ...] = (
     ),
     MetricSpec("retries", Counter, "request_retries", "Attempts beyond a request's first."),
     MetricSpec(
+        "shed",
+        Counter,
+        "requests_shed",
+        "Requests refused with 503 because --max-queued-requests were already waiting.",
+    ),
+    MetricSpec(
         "router_picks",
         Counter,
         "router_picks",

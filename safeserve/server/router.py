@@ -58,6 +58,7 @@ class GroupScore:
     in_flight: int  # requests the frontend sent there and has not seen end
     occupied: int  # decode slots taken or asked for
     waiting: int  # of those, not running at the group's last report (queued or unreported)
+    queued: int  # of those, sure to wait: queued at the last report, or beyond the slots
     slot_headroom: float
     kv_headroom: float
 
@@ -84,6 +85,7 @@ def score(group: int, stats: EngineStats, in_flight: int, max_running: int) -> G
         in_flight=in_flight,
         occupied=occupied,
         waiting=pending,
+        queued=max(stats.num_waiting, occupied - max_running, 0),
         slot_headroom=(max_running - occupied) / max_running,
         kv_headroom=kv,
     )

@@ -146,13 +146,47 @@ def test_a_group_that_is_not_ready_is_never_picked(state: SupervisorState) -> No
         router.pick(avoid={1})
 
 
-def _generator(sups: list[Supervisor], metrics: Metrics):  # type: ignore[no-untyped-def]
+def _generator(sups: list[Supervisor], metrics: Metrics, **flags: int):  # type: ignore[no-untyped-def]
     from safeserve.model.tokenizer import load_tokenizer
     from safeserve.server.generate import Generator
 
     router = GroupRouter(sups, metrics)
-    args = ServerArgs(num_groups=len(sups), max_running_requests=MAX_RUNNING)
+    args = ServerArgs(num_groups=len(sups), max_running_requests=MAX_RUNNING, **flags)
     return Generator(args, load_tokenizer("tiny"), router, metrics, "tiny")
+
+
+def test_requests_beyond_the_queue_cap_get_503_and_nothing_is_sent() -> None:
+    """--max-queued-requests 3 over two READY groups of 4 slots: 8 requests take the slots, 3
+    more wait, the next is refused (503, Retry-After, counted) without reaching a group; once a
+    group reports a slot taken up by a waiting one, a new request is admitted again."""
+    from safeserve.server.errors import APIError
+
+    async def run() -> None:
+        metrics = Metrics()
+        s0, s1 = _sups(2, metrics)
+        c0, c1 = s0.client, s1.client
+        gen = _generator([s0, s1], metrics, max_queued_requests=3)
+        gen.router.notify()
+        params = SamplingParams(max_tokens=3, temperature=0.0)
+        reqs = [gen.start(f"r{i}", [10 + i], params, []) for i in range(11)]
+        c0.stats = _stats(MAX_RUNNING, waiting=len(c0.queues) - MAX_RUNNING)
+        c1.stats = _stats(MAX_RUNNING, waiting=len(c1.queues) - MAX_RUNNING)
+        sent = c0.submitted + c1.submitted
+        with pytest.raises(APIError) as refused:
+            gen.start("r11", [21], params, [])
+        assert refused.value.status == 503 and refused.value.retry_after
+        assert "--max-queued-requests 3" in refused.value.message
+        assert c0.submitted + c1.submitted == sent and "r11" not in gen.active
+        shed = metrics.registry.get_sample_value("safeserve:requests_shed_total")
+        assert shed == 1
+        # a running request ends on group 0 and a waiting one takes its slot: room again
+        c0.out(reqs[0].rid, [1], "stop")
+        c0.stats = _stats(MAX_RUNNING, waiting=len(c0.queues) - MAX_RUNNING)
+        assert gen.start("r12", [22], params, []).supervisor in (s0, s1)
+        for r in reqs:
+            r.close()
+
+    asyncio.run(run())
 
 
 async def _collect(g) -> list[int]:  # type: ignore[no-untyped-def]
