@@ -5,7 +5,9 @@ with all of them off (the torch paths on CUDA), with dependent launches off, and
 off alone. Prints the median and
 upper-quartile relative error of the logits rows per variant, and transformers' own bf16 error
 on the same tokens and rows (the model's inherent bf16 sensitivity). `--every-expert` routes
-every token to every expert (no top-k choice for a rounding to flip).
+every token to every expert (no top-k choice for a rounding to flip). With `--device cpu` and
+TRITON_INTERPRET=1 the kernels run under Triton's interpreter, bf16 as a GPU rounds it
+(`tests/interpreter_numerics.py`).
 
     SAFESERVE_TEST_SEED=n python3 kernels/bf16_error_bisect.py [--family qwen3_moe] [--every-expert]
 """
@@ -23,6 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
+import interpreter_numerics  # noqa: E402
 from family_trace import reference_rows, relative_errors, trace, write_family  # noqa: E402
 from model_checks import small_runner  # noqa: E402
 
@@ -54,6 +57,7 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--every-expert", action="store_true")
     ns = p.parse_args()
+    interpreter_numerics.apply()  # under TRITON_INTERPRET=1 (--device cpu): bf16 as a GPU has it
     ckpt = write_family(ns.family, Path(tempfile.mkdtemp()) / ns.family, ns.every_expert)
     ref, fed = trace(small_runner(ckpt, ns.device, "float32", False))
     mods = {m: importlib.import_module(m) for m in MODULES}

@@ -58,15 +58,15 @@ def _step_ids(step: int, last: list[int], i: int) -> list[int]:
     return [last[i]] + ([11, 31] if step == MIXED_STEP and i == 1 else [])
 
 
-def trace(runner, forced: list[list[int]] | None = None):  # type: ignore[no-untyped-def]
+def trace(runner, forced: list[list[int]] | None = None, steps: int = STEPS):  # type: ignore[no-untyped-def]
     """The logits of every step ([3, vocab] each, float32 on CPU) and the tokens fed back (the
     greedy ones, or `forced`, so that two runners compare on the same inputs even where their
-    argmax differs)."""
+    argmax differs); `steps` decode steps after the prefill (the mixed one is step 6)."""
     seqs = [SeqPlan(p, 0, t, GREEDY) for p, t in zip(prompts(), TABLES, strict=True)]
     logits, _ = runner.run_plan(StepPlan(step=0, per_rank=[seqs]))
     out, fed = [logits.float().cpu()], []
     lens = list(PROMPT_LENS)
-    for step in range(1, STEPS + 1):
+    for step in range(1, steps + 1):
         last = forced[step - 1] if forced else logits.argmax(-1).tolist()
         fed.append(last)
         ids = {i: _step_ids(step, last, i) for i in range(3)}
