@@ -15,7 +15,6 @@ TRITON_INTERPRET=1 the kernels run under Triton's interpreter, bf16 as a GPU rou
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 import tempfile
 from pathlib import Path
@@ -26,24 +25,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import interpreter_numerics  # noqa: E402
-from family_trace import reference_rows, relative_errors, trace, write_family  # noqa: E402
+from family_trace import (  # noqa: E402
+    kernel_switches,
+    reference_rows,
+    relative_errors,
+    trace,
+    write_family,
+)
 from model_checks import small_runner  # noqa: E402
-
-MODULES = [
-    "safeserve.kernels.fused_moe",
-    "safeserve.kernels.linear",
-    "safeserve.kernels.norm_rope",
-    "safeserve.kernels.paged_attention",
-    "safeserve.kernels.paged_prefill",
-    "safeserve.kernels.qkv_rope",
-    "safeserve.kernels.router_topk",
-    "safeserve.kernels.topk_softmax",
-    "safeserve.kernels.moe_align",
-    "safeserve.layers.linear",
-    "safeserve.layers.paged_attention",
-    "safeserve.moe.runner",
-    "safeserve.engine.model_runner",
-]
 
 
 def errors(got: list[torch.Tensor], ref: list[torch.Tensor]) -> tuple[float, float]:
@@ -60,8 +49,8 @@ def main() -> None:
     interpreter_numerics.apply()  # under TRITON_INTERPRET=1 (--device cpu): bf16 as a GPU has it
     ckpt = write_family(ns.family, Path(tempfile.mkdtemp()) / ns.family, ns.every_expert)
     ref, fed = trace(small_runner(ckpt, ns.device, "float32", False))
-    mods = {m: importlib.import_module(m) for m in MODULES}
-    shipped = {m: mod.use_kernels for m, mod in mods.items() if hasattr(mod, "use_kernels")}
+    mods = kernel_switches()
+    shipped = {m: mod.use_kernels for m, mod in mods.items()}
 
     def run(label: str, off: set[str], graphs: bool = False, **flags: object) -> None:
         for m, fn in shipped.items():

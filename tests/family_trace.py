@@ -23,12 +23,12 @@ PROMPT_LENS = (9, 1, 17)
 TABLES = [[3, 7, 1, 12, 40, 41, 42], [20, 21, 22, 23, 24], [5, 0, 9, 30, 31, 32, 33]]
 
 # Overrides that route every token to every expert: no top-k choice is left that a rounding
-# can flip (DeepSeek-V3: every group, every expert).
+# can flip (DeepSeek-V3: every group, every expert). Each sets the expert count with the top k.
 EVERY_EXPERT: dict[str, dict[str, Any]] = {
-    "qwen3_moe": dict(num_experts_per_tok=8),
-    "mixtral": dict(num_experts_per_tok=8),
-    "qwen2_moe": dict(num_experts_per_tok=8),
-    "deepseek_v3": dict(num_experts_per_tok=12, topk_group=4),
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=8),
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=8),
+    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=8),
+    "deepseek_v3": dict(n_routed_experts=12, num_experts_per_tok=12, n_group=4, topk_group=4),
 }
 
 
@@ -95,6 +95,20 @@ def reference_rows(
     with torch.no_grad():
         full = [hf(torch.tensor([s], device=device)).logits[0].float().cpu() for s in seqs]
     return [torch.stack([full[i][r[i]] for i in range(3)]) for r in rows]
+
+
+def kernel_switches() -> dict[str, Any]:
+    """Every loaded module of the package that imported the `use_kernels` switch, by name (a
+    runner built first has loaded them all): each decides on its own name's binding."""
+    import sys
+
+    return {
+        name: m
+        for name, m in sorted(sys.modules.items())
+        if name.startswith("safeserve.")
+        and callable(fn := getattr(m, "use_kernels", None))
+        and fn.__module__ != name  # not where it is defined
+    }
 
 
 def relative_errors(got: list[torch.Tensor], want: list[torch.Tensor]) -> list[float]:

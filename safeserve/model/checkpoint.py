@@ -100,7 +100,7 @@ class _Checkpoint:
                     raise LoadError(
                         f"{index.name} puts tensor {name!r} in {f}, which has no such tensor"
                     )
-        if not weight_map:
+        else:
             for f, h in self.handles.items():
                 for k in h.keys():
                     weight_map[k] = f

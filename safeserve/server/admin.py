@@ -164,9 +164,10 @@ def dry_run_asked(request: Request) -> bool:
     value = request.query_params.get("dry_run")
     if value is None:
         return False
-    if value.strip().lower() in _YES:
+    said = value.strip().lower()
+    if said in _YES:
         return True
-    if value.strip().lower() in _NO:
+    if said in _NO:
         return False
     raise bad_request(
         f"dry_run must be one of 1, true, yes, on (or empty) or 0, false, no, off; got {value!r}",

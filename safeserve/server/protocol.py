@@ -136,7 +136,7 @@ class _SamplingFields(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _stream_options_with_stream(self) -> Any:
+    def _stream_options_with_stream(self) -> _SamplingFields:
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed with stream: true", "stream_options")
         return self

@@ -7,11 +7,10 @@ rounding moves a row by about 1e-2 from float32), and kernels did run."""
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
-from family_trace import trace, write_family
+from family_trace import kernel_switches, trace, write_family
 from model_checks import small_runner
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -20,15 +19,6 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # q/k norms; MLA), a prefill and two decode steps keep it under a minute.
 CHECKED = ["qwen3_moe", "deepseek_v3"]
 STEPS = 2
-
-
-def _kernel_switches() -> list:  # type: ignore[type-arg]
-    """Every loaded module of the package with its own `use_kernels` switch."""
-    return [
-        m
-        for name, m in sorted(sys.modules.items())
-        if name.startswith("safeserve.") and callable(getattr(m, "use_kernels", None))
-    ]
 
 
 @pytest.mark.kernel
@@ -51,7 +41,7 @@ def test_interpreter_bf16_kernels_round_as_the_torch_paths(
     monkeypatch.setattr(interpreter.GridExecutor, "__call__", counted)
     kernels, _ = trace(small_runner(ckpt, "cpu", "bfloat16", False), forced=fed, steps=STEPS)
     assert launched, "no kernel ran"
-    for module in _kernel_switches():
+    for module in kernel_switches().values():
         monkeypatch.setattr(module, "use_kernels", lambda t: False)
     launched.clear()
     torch_paths, _ = trace(small_runner(ckpt, "cpu", "bfloat16", False), forced=fed, steps=STEPS)

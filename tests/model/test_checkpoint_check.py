@@ -48,16 +48,21 @@ def test_unreadable_file_is_a_load_error(good: Path, tmp_path: Path) -> None:
         check_checkpoint(str(ckpt), load_model_config(str(ckpt)))
 
 
-def test_serve_refuses_before_starting_any_rank(good: Path, tmp_path: Path) -> None:
-    """Exit code 2 is the pre-spawn refusal (a group that fails to start exits 1)."""
-    name = "model.layers.0.mlp.gate.weight"
-    ckpt = broken_copy(good, tmp_path / "broken", lambda t: t.pop(name))
-    r = subprocess.run(
+def _serve(ckpt: Path) -> subprocess.CompletedProcess:
+    """`safeserve serve` of `ckpt`, run to its exit."""
+    return subprocess.run(
         [sys.executable, "-m", "safeserve.cli", "serve", "--model", str(ckpt), "--port", "0"],
         capture_output=True,
         text=True,
         timeout=120,
     )
+
+
+def test_serve_refuses_before_starting_any_rank(good: Path, tmp_path: Path) -> None:
+    """Exit code 2 is the pre-spawn refusal (a group that fails to start exits 1)."""
+    name = "model.layers.0.mlp.gate.weight"
+    ckpt = broken_copy(good, tmp_path / "broken", lambda t: t.pop(name))
+    r = _serve(ckpt)
     assert r.returncode == 2, r.stderr[-2000:]
     assert name in r.stderr and "rank" not in r.stderr
 
@@ -74,11 +79,6 @@ def test_an_index_that_puts_a_tensor_in_the_wrong_shard_is_named(tmp_path: Path)
     index_path.write_text(json.dumps(index))
     with pytest.raises(LoadError, match=f"puts tensor '{name}' in"):
         check_checkpoint(str(ckpt), load_model_config(str(ckpt)))
-    r = subprocess.run(
-        [sys.executable, "-m", "safeserve.cli", "serve", "--model", str(ckpt), "--port", "0"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    r = _serve(ckpt)
     assert r.returncode == 2, r.stderr[-2000:]
     assert len(r.stderr.strip().splitlines()) == 1 and name in r.stderr, r.stderr[-2000:]

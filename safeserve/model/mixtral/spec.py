@@ -40,7 +40,9 @@ DEFAULTS: dict[str, Any] = dict(
 def parse_config(d: dict[str, Any]) -> ModelConfig:
     # transformers masks by `sliding_window` whenever it is set (there is no use_sliding_window).
     window = d.get("sliding_window")
-    if window is not None and window < d.get("max_position_embeddings", 4096 * 32):
+    if window is not None and window < d.get(
+        "max_position_embeddings", DEFAULTS["max_position_embeddings"]
+    ):
         raise ModelConfigError(
             f"sliding-window attention is not supported (sliding_window {window})"
         )
