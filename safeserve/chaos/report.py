@@ -682,6 +682,8 @@ def render(report: dict[str, Any]) -> str:
             for g, b in report["baseline"].items()
         ),
     ]
+    if req.get("not_succeeded_examples"):
+        lines.append("not succeeded: " + "; ".join(req["not_succeeded_examples"]))
     if "slo" in report:
         slo = report["slo"]
         lines.append(

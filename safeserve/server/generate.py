@@ -21,8 +21,9 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
@@ -57,6 +58,27 @@ class _Refailed(Exception):
     """The continuation's group failed too before it produced anything."""
 
 
+class _Refusals:
+    """The groups whose leader refused one request's submission, each passed over for that
+    request until the group runs another incarnation (a restarted group may take it)."""
+
+    def __init__(self, gen: Generation) -> None:
+        self.gen = gen
+        self._clients: dict[int, object] = {}  # group -> the incarnation (client) that refused
+
+    def add(self, sup: Supervisor, why: Exception) -> None:
+        self._clients[sup.group] = sup.client
+        self.gen.owner.metrics.sends_refused.labels(str(sup.group)).inc()
+        logger.warning("request %s: %s; trying another group", self.gen.rid, why)
+
+    def groups(self) -> set[int]:
+        return {
+            s.group
+            for s in self.gen.owner.router.supervisors
+            if s.client is not None and self._clients.get(s.group) is s.client
+        }
+
+
 class Generation:
     def __init__(
         self,
@@ -85,7 +107,8 @@ class Generation:
         self.finished = False
         self.arrival = time.monotonic()
         self.first_token_at: float | None = None
-        self._submit(gen.router.pick(), prompt_ids, params)  # NoGroupReady -> 503 at the edge
+        # NoGroupReady (no READY group could take it) -> 503 at the edge
+        self._place(lambda refused: gen.router.pick(avoid=refused), prompt_ids, params)
         self._pending: RequestOutput | None = None
         gen.metrics.prompt_tokens.inc(len(prompt_ids))
 
@@ -98,6 +121,26 @@ class Generation:
         except GroupUnavailable as e:  # nothing sent: as if no group had been READY
             raise NoGroupReady(str(e)) from e
         self.supervisor, self.client, self.queue = sup, sup.client, queue
+
+    def _place(
+        self,
+        pick: Callable[[set[int]], Supervisor],
+        prompt: list[int],
+        params: SamplingParams,
+    ) -> Supervisor:
+        """Submits to the group `pick` chooses (never one it was told to avoid). A group whose
+        leader cannot take the request now is passed over for `pick`'s next choice: a leader
+        that died a moment ago refuses sends before its watchdog has failed the group, and the
+        request must not be refused while another group is READY. NoGroupReady when `pick` has
+        no group left."""
+        refused = _Refusals(self)
+        while True:
+            sup = pick(refused.groups())
+            try:
+                self._submit(sup, prompt, params)
+                return sup
+            except NoGroupReady as e:
+                refused.add(sup, e)
 
     @property
     def engine_rid(self) -> str:
@@ -133,6 +176,7 @@ class Generation:
             self._submit(sup, self.prompt_ids, self.params)
         except NoGroupReady:  # `sup` cannot take it now: it keeps waiting where it is
             self.moves -= 1
+            self.owner.metrics.sends_refused.labels(str(sup.group)).inc()
             return False
         old_client.abort(old_rid)
         old_queue.put_nowait(RequestOutput(self.rid, [], MOVED))  # wakes its reader
@@ -203,6 +247,7 @@ class Generation:
         on the failed group), or, with the query-of-death rule off, within the retry budget."""
         gen, args = self.owner, self.owner.args
         failed_group = self.supervisor.group
+        refused = _Refusals(self)
         left = args.max_request_attempts - self.attempts
         remaining = self.params.max_tokens - len(self.produced)
         if remaining <= 0:  # everything was produced; only the finish was lost with the group
@@ -244,9 +289,16 @@ class Generation:
                     gen.metrics.retries.inc()
                     async with gen.router.retry_slot(args.migration_wait_s):
                         sup = await gen.router.wait_pick(
-                            args.migration_wait_s, exclude=failed_group, reason="migrated"
+                            args.migration_wait_s,
+                            exclude=failed_group,
+                            avoid=refused.groups,
+                            reason="migrated",
                         )
-                        self._submit(sup, prompt, params)
+                        try:
+                            self._submit(sup, prompt, params)
+                        except NoGroupReady as e:
+                            refused.add(sup, e)
+                            raise
                         gen.metrics.migrations.inc()
                         logger.info(
                             "request %s: group %d failed after %d tokens; continuing on group %d",
@@ -272,23 +324,26 @@ class Generation:
         gen, args = self.owner, self.owner.args
         self.attempts += 1
         gen.metrics.retries.inc()
-        try:
-            sup = await gen.router.wait_pick(
-                args.migration_wait_s,
-                exclude=failed_group,
-                avoid=gen.qod.suspect_groups,
-                reason="migrated",
-            )
-        except NoGroupReady:
-            self._give_up(
-                f"no READY group free of other suspects on probation took it within "
-                f"{args.migration_wait_s:g} s"
-            )
+        refused = _Refusals(self)
+        while True:
+            try:
+                sup = await gen.router.wait_pick(
+                    args.migration_wait_s,
+                    exclude=failed_group,
+                    avoid=lambda: gen.qod.suspect_groups() | refused.groups(),
+                    reason="migrated",
+                )
+            except NoGroupReady:
+                self._give_up(
+                    f"no READY group free of other suspects on probation took it within "
+                    f"{args.migration_wait_s:g} s"
+                )
+            try:
+                self._submit(sup, prompt, params)
+                break
+            except NoGroupReady as e:
+                refused.add(sup, e)
         gen.qod.place(self.rid, sup.group)  # no await since the pick: no other suspect got it
-        try:
-            self._submit(sup, prompt, params)
-        except NoGroupReady as e:
-            self._give_up(f"group {sup.group} could not take it: {e}")
         gen.metrics.migrations.inc()
         logger.warning(
             "request %s (fingerprint %s) was in flight on group %d when it failed (%d tokens "
@@ -322,7 +377,7 @@ class Generation:
             "request_quarantined",
         )
 
-    def _give_up(self, why: str) -> None:
+    def _give_up(self, why: str) -> NoReturn:
         self.finished = True
         self.owner.metrics.failed_after_retries.inc()
         raise unavailable(

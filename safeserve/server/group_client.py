@@ -200,6 +200,8 @@ class GroupClient:
     def _send(self, msg: object) -> None:
         """To the group's leader; never blocks (zmq.Again where no leader is there to read)."""
         if self.hub is None:
+            if self._req.closed:  # stopped: its context is gone
+                raise zmq.ZMQError(zmq.ENOTSOCK)
             self._req_now.send(pickle.dumps(msg), flags=zmq.NOBLOCK)
         elif self._link is not None:
             self._link.send(msg)

@@ -288,6 +288,15 @@ METRICS: tuple[MetricSpec, ...] = (
         "Requests refused with 503 because --max-queued-requests were already waiting.",
     ),
     MetricSpec(
+        "sends_refused",
+        Counter,
+        "group_sends_refused",
+        "Requests a READY group's leader could not take when sent (it died a moment before its "
+        "watchdog failed the group, or its inbox was full); each went to another group or "
+        "kept waiting where it was.",
+        GROUP,
+    ),
+    MetricSpec(
         "router_picks",
         Counter,
         "router_picks",

@@ -49,3 +49,19 @@ def test_a_request_no_leader_can_take_is_refused_not_dropped() -> None:
             assert time.monotonic() - t0 < 2.0
 
     asyncio.run(run())
+
+
+def test_a_stopped_client_refuses_requests() -> None:
+    """After `stop` (its sockets closed) a request is refused like one no leader can take, and
+    an abort or a second stop does nothing."""
+
+    async def run() -> None:
+        client = GroupClient(ServerArgs(), group=0)
+        await client.stop()
+        with pytest.raises(GroupUnavailable):
+            client.submit("r1", [1, 2], PARAMS)
+        assert client.queues == {}
+        client.abort("r1")
+        await client.stop()
+
+    asyncio.run(run())
