@@ -79,7 +79,7 @@ serve: $(VENV)/.installed
 # `make test` leaves out the whole chaos scenarios (marker `scenario`, about 4 minutes on two
 # cores): `make test-scenarios` runs them, and CI runs both.
 test: $(INTERP_DEPS)
-	$(PY) -m pytest -q -m "not scenario" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not scenario" --durations=30 $(PYTEST_ARGS)
 ifeq ($(HAS_GPU),)
 	@$(GPU_COMPILE) & pid=$$!; $(INTERP_RUN); rc=$$?; $(COMPILE_REPORT); exit $$rc
 endif
