@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -53,7 +54,9 @@ async def _stream_all(url: str, on_started) -> list[dict]:  # type: ignore[no-un
     async def one(i: int, c: httpx.AsyncClient) -> None:
         ids, text, times, errors = [], [], [], []
         async with c.stream("POST", url + "/v1/completions", json=_body(_prompts()[i], True)) as r:
-            group = int(r.headers["x-safeserve-group"])
+            group = int(r.headers.get("x-safeserve-group", -1))
+            if r.status_code != 200:  # refused before its first token: a status, no stream
+                errors.append(json.loads(await r.aread())["error"])
             async for line in r.aiter_lines():
                 chunk = sse_chunk(line, errors)
                 if chunk is None:
@@ -143,44 +146,6 @@ def test_failed_rank_costs_its_group_only_and_no_request(server_factory, sig) ->
             os.kill(victim, signal.SIGCONT)
         except ProcessLookupError:
             pass  # fenced: already killed
-
-
-def test_requests_sent_as_a_leader_dies_go_to_the_other_group(server_factory) -> None:
-    """Group 0's leader is SIGKILLed while requests keep arriving. Between its death and its
-    watchdog's verdict the group still looks READY, but its request socket has no reader: a
-    request the router sends there is refused at once and must go to group 1, never be
-    answered 503 while group 1 is READY. Until the window was hit (the refusals counter moved),
-    the fault is repeated once group 0 is READY again."""
-    s = server_factory(
-        ["--num-groups", "2", "--max-model-len", "512", "--restart-backoff-s", "0.5"]
-    )
-    body = {**_body("the leader dies now", False), "max_tokens": 4}
-    ref = httpx.post(s.url + "/v1/completions", json=body, timeout=60).json()
-    ref_ids = ref["choices"][0]["token_ids"]
-
-    async def burst() -> list[httpx.Response]:
-        async with httpx.AsyncClient(timeout=300) as c:
-            os.kill(_groups(s)[0]["ranks"][0]["pid"], signal.SIGKILL)
-            tasks = []
-            for _ in range(30):  # 0.6 s of arrivals: the window is at most a watchdog period
-                tasks.append(asyncio.create_task(c.post(s.url + "/v1/completions", json=body)))
-                await asyncio.sleep(0.02)
-            return await asyncio.gather(*tasks)
-
-    refused = 0.0
-    for _ in range(3):
-        rs = asyncio.run(burst())
-        for r in rs:
-            assert r.status_code == 200, r.text
-            assert r.json()["choices"][0]["token_ids"] == ref_ids
-        _wait_state(s, 0, "READY", 60.0)
-        refused = _metric(s.url, "safeserve:group_sends_refused_total", '{group="0"}')
-        if refused > 0:
-            break
-    assert refused > 0, "no request reached group 0 between its leader's death and its verdict"
-    assert _metric(s.url, "safeserve:group_sends_refused_total", '{group="1"}') == 0
-    assert _metric(s.url, "safeserve:requests_failed_after_retries_total") == 0
-    assert _metric(s.url, "safeserve:requests_lost_total") == 0
 
 
 def test_drain_under_load_then_undrain(server_factory) -> None:

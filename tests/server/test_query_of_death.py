@@ -24,6 +24,7 @@ from safeserve.config import ServerArgs
 from safeserve.guards.quarantine import QueryOfDeath, fingerprint
 from safeserve.messages import EngineStats, RequestOutput, SamplingParams
 from safeserve.server.errors import APIError
+from safeserve.server.group_client import GroupUnavailable
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -111,8 +112,11 @@ class _Client:
         self.submitted: list[tuple[str, list[int]]] = []
         self.stats = EngineStats()
         self.node_lost = False  # failed because a node agent running its ranks was lost
+        self.refusing = False  # its leader takes nothing (it died; the watchdog has not seen it)
 
     def submit(self, rid: str, prompt: list[int], params: SamplingParams) -> asyncio.Queue:
+        if self.refusing:
+            raise GroupUnavailable("the leader could not take the request: Resource unavailable")
         self.queues[rid] = q = asyncio.Queue()
         self.submitted.append((rid, list(prompt)))
         return q
@@ -518,5 +522,67 @@ def test_a_failure_quarantines_the_suspect_on_probation_only() -> None:
         err = res[probation][1]
         assert err is not None and (err.status, err.code) == (422, "request_quarantined")
         assert _sample(gen, "requests_quarantined_total") == 1
+
+    asyncio.run(run())
+
+
+def _refused(gen, group: int) -> float:  # type: ignore[no-untyped-def]
+    return (
+        gen.metrics.registry.get_sample_value(
+            "safeserve:group_sends_refused_total", {"group": str(group)}
+        )
+        or 0.0
+    )
+
+
+def test_a_new_request_a_ready_groups_leader_refuses_goes_to_another_group() -> None:
+    """Group 0 still looks READY but its leader takes nothing (it died a moment ago): a new
+    request goes to group 1, never a 503 while group 1 can take it; with no other group it is
+    refused (NoGroupReady: 503 at the edge). Each refusal is counted for its group."""
+    from safeserve.server.router import NoGroupReady
+
+    async def run() -> None:
+        gen, (g0, g1) = _generator()
+        g0.client.refusing = True
+        placed = [gen.start(f"r{i}", [10 + i, 11], _PARAMS, []) for i in range(4)]
+        assert all(p.supervisor is g1 for p in placed)
+        assert set(g1.client.queues) == {"r0", "r1", "r2", "r3"} and g0.client.queues == {}
+        assert _refused(gen, 0) >= 1 and _refused(gen, 1) == 0
+        for p in placed:
+            g1.client.out(p.rid, [1, 2, 3, 4], "length")
+            assert await _drain(p) == ([1, 2, 3, 4], None)
+        g1.up = False
+        before = _refused(gen, 0)
+        with pytest.raises(NoGroupReady):
+            gen.start("alone", [9], _PARAMS, [])
+        assert _refused(gen, 0) == before + 1 and "alone" not in gen.active
+
+    asyncio.run(run())
+
+
+def test_a_suspect_refused_by_its_next_groups_leader_waits_for_that_groups_next_incarnation() -> (
+    None
+):
+    """A request in flight on group 0 when it fails is a suspect for group 1, whose leader
+    refuses it (group 1 is about to fail too): it is passed over for that incarnation, not
+    given up (a 503 mid-stream), and goes to group 1's next incarnation once it is READY; every
+    token arrives once."""
+
+    async def run() -> None:
+        gen, (g0, g1) = _generator(wait_s=5.0)
+        (task,) = await _in_flight_on_group_0(gen, g0, g1, {"a": 5})
+        g1.client.refusing = True
+        g0.fail(gen.router)
+        await _until(lambda: _refused(gen, 1) == 1)
+        await asyncio.sleep(0.1)
+        assert not task.done() and _refused(gen, 1) == 1  # passed over, not retried in a loop
+        g1.client = _Client()  # group 1 restarted: a new incarnation whose leader takes it
+        gen.router.notify()
+        await _until(lambda: "a" in g1.client.queues)
+        assert g1.client.submitted == [("a", [10, 11, 5])]  # the prompt and its one token
+        g1.client.out("a", [6, 7, 8], "length")
+        assert await task == ([5, 6, 7, 8], None)
+        assert _sample(gen, "request_migrations_total") == 1
+        assert _sample(gen, "requests_failed_after_retries_total") == 0
 
     asyncio.run(run())
