@@ -68,6 +68,11 @@ async def stream_response(
         await source.aclose()
         gen.close()
         return Response(status_code=CLIENT_CLOSED)
+    failed = got.exception()
+    if isinstance(failed, APIError):  # before anything was sent: a real status, not 200
+        await source.aclose()
+        gen.close()
+        raise failed
     deltas = _replay(got, source)
     chunks = (
         _chat_chunks(deltas, gen, shape, state)
@@ -112,7 +117,8 @@ async def _until_done_or_gone(request: Request, task: asyncio.Future) -> bool:
 
 
 async def _replay(first: asyncio.Future, rest: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
-    """The first delta (or its exception, raised here inside the stream), then the rest."""
+    """The first delta (or its exception other than APIError, raised here inside the stream),
+    then the rest."""
     delta = first.result()
     if delta is None:
         return

@@ -30,7 +30,7 @@ from safeserve.server.supervisor import Supervisor
 def install_routes(app: FastAPI, state: ServerState) -> None:
     """Adds the handlers above to `app`; each reads `state`."""
 
-    @app.get("/health", include_in_schema=False)
+    @app.api_route("/health", methods=["GET", "HEAD"], include_in_schema=False)
     async def health() -> Response:
         # Liveness: the frontend can make progress unless every group is FAILED for good.
         if state.supervisors and all(s.crash_loop for s in state.supervisors):
@@ -38,7 +38,7 @@ def install_routes(app: FastAPI, state: ServerState) -> None:
             return JSONResponse({"status": "unhealthy", "reason": reasons}, status_code=503)
         return JSONResponse({"status": "ok", "groups": _group_states(state)})
 
-    @app.get("/ready", include_in_schema=False)
+    @app.api_route("/ready", methods=["GET", "HEAD"], include_in_schema=False)
     async def ready() -> Response:
         n = sum(1 for s in state.supervisors if s.ready)
         body = {

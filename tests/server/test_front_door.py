@@ -83,6 +83,16 @@ def test_raising_and_overflowing_requests_cost_no_group(
     body = {"model": "tiny", "prompt": "Hello", "max_tokens": 4, "safeserve_fault": "raise"}
     r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
     assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error", r.text
+    # Streamed, it fails before its first token: still a status, not a 200 with an error event
+    # (a client's retry logic sees it), for completions and chat alike.
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
+    for path, b in (("/v1/completions", body), ("/v1/chat/completions", chat)):
+        r = httpx.post(
+            server.url + path, json={**b, "stream": True, "safeserve_fault": "raise"}, timeout=60
+        )
+        assert r.status_code == 500, r.text
+        assert r.headers["content-type"].startswith("application/json")
+        assert r.json()["error"]["code"] == "internal_error"
     body = {"model": "tiny", "prompt": "Hello", "max_tokens": 4, "temperature": 1e-300}
     r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text

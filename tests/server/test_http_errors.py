@@ -145,6 +145,10 @@ def test_auth_and_body_size(server: Server) -> None:
     # Health, readiness and metrics need no key.
     assert httpx.get(server.url + "/health").status_code == 200
     assert httpx.get(server.url + "/ready").status_code == 200
+    # A load balancer's HEAD probe: the same status, no body.
+    for path in ("/health", "/ready"):
+        r = httpx.head(server.url + path)
+        assert r.status_code == 200 and r.content == b"", (path, r.status_code)
     assert [m.id for m in _client(server).models.list()] == [MODEL]
 
 
