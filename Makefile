@@ -10,6 +10,10 @@ TORCH_CPU ?= torch==2.13.0
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 SERVE_ARGS ?=
 PYTEST_ARGS ?=
+# make test: the tests marked `serial` (tests/conftest.py: servers, killed processes, timed
+# recoveries) run one at a time; the others, and the interpreter run, on this many xdist workers
+# (0: none; one at a time where a GPU is found: its tests share the one device).
+TEST_WORKERS ?= $(if $(HAS_GPU),0,2)
 LINT_PATHS := $(wildcard safeserve tests kernels)
 
 # The interpreter run (TRITON_INTERPRET=1, its own pytest process: the variable changes what other
@@ -28,7 +32,7 @@ INTERP_TESTS ?= tests/kernels tests/engine/test_layouts.py tests/engine/test_fp8
   tests/engine/test_fp8_weights_kernels.py -m "not gpu" \
   -k "interpreter or decode_kernel or store_kernel or prefill_kernel or tp2-ep1-none] or tp2-ep2-alltoall-dp or fp8_cache_logits or fp8_cache_tp2"
 # --min-passed: these tests skip where Triton is missing, and a run that only skipped must fail.
-INTERP_RUN = $(PY) -m pytest -q --min-passed=1 $(INTERP_TESTS)
+INTERP_RUN = $(PY) -m pytest -q -n $(TEST_WORKERS) --min-passed=1 $(INTERP_TESTS)
 # Also without a GPU, beside the interpreter run: every Triton kernel compiled as the engine
 # launches it for sm_90 (H100/H200) and sm_89 (L4/L40S; 99 KiB of shared memory, as sm_86/sm_120),
 # down to a cubin, nothing run (tests/kernels/gpu_compile.py; sm_80 on request); a kernel the GPU
@@ -79,7 +83,8 @@ serve: $(VENV)/.installed
 # `make test` leaves out the whole chaos scenarios (marker `scenario`, about 4 minutes on two
 # cores): `make test-scenarios` runs them, and CI runs both.
 test: $(INTERP_DEPS)
-	$(PY) -m pytest -q -m "not scenario" --durations=30 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not scenario and not serial" --durations=10 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not scenario and serial" --durations=20 $(PYTEST_ARGS)
 ifeq ($(HAS_GPU),)
 	@$(GPU_COMPILE) & pid=$$!; $(INTERP_RUN); rc=$$?; $(COMPILE_REPORT); exit $$rc
 endif

@@ -44,6 +44,8 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
+    if hasattr(session.config, "workerinput"):  # an xdist worker: the controller counts
+        return
     want = session.config.getoption("min_passed")
     if session.exitstatus == pytest.ExitCode.OK and _passed < want:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
@@ -60,7 +62,25 @@ def pytest_terminal_summary(
         )
 
 
+# Tests here start servers, kill and stop processes, or time detection and recovery: `make test`
+# runs them one at a time (`serial`), and everything else on two workers before them.
+SERIAL_DIRS = ("server", "guards", "oncall", "chaos", "deploy")
+TESTS = Path(__file__).resolve().parent
+
+
+def _serial(item: pytest.Item) -> bool:
+    parts = item.path.resolve().relative_to(TESTS).parts
+    return (
+        parts[0] in SERIAL_DIRS
+        or "slow" in item.keywords
+        or "server_factory" in getattr(item, "fixturenames", ())
+    )
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if _serial(item):
+            item.add_marker(pytest.mark.serial)
     try:
         import torch
 

@@ -22,8 +22,6 @@ from seeds import seeded
 from safeserve.messages import SamplingParams
 from safeserve.spawn import run_ranks
 
-pytestmark = pytest.mark.slow  # starts rank processes
-
 # (tp, ep, backend, dp attention), as tests/layouts.py's
 GROUPS = {
     "tp4-ep4-alltoall": (4, 4, "alltoall", False),

@@ -13,8 +13,6 @@ import torch
 from layouts import CHUNKS, layout_reference, run_layout
 from serving import free_port
 
-pytestmark = pytest.mark.slow  # starts rank processes
-
 # MoE-layer rows of the default checkpoint (8 experts; layers 0 and 2 are MoE layers)
 PERMUTED = [[5, 2, 7, 0, 3, 6, 1, 4], [1, 0, 4, 6, 7, 2, 5, 3]]  # no redundancy, shuffled
 # 10 slots, 5 per rank: experts 5 and 1 have a replica on each rank, expert 2 two on rank 1

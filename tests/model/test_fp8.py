@@ -466,6 +466,7 @@ def test_serve_refuses_bad_fp8_setups_in_one_line_before_any_rank(
 # -- through the server ------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_http_greedy_completions_of_the_fp8_checkpoint_equal_the_reference(
     ckpts: dict[str, Path], tmp_path: Path
 ) -> None:

@@ -2,8 +2,8 @@
 a dispatch budget of 4 rows (prefill sizing then chunks every prompt so that no rank receives
 more in a round); a rank of a group holding streams SIGKILLed while greedy streams run. Every
 request ends with exactly transformers' argmax tokens (float32), nothing lost or repeated, and
-the group comes back. DeepSeek-V3 once more with two-batch and single-batch overlap: the killed
-group was running split steps."""
+the group comes back. DeepSeek-V3 with two-batch and single-batch overlap: the killed group was
+running split steps."""
 
 from __future__ import annotations
 
@@ -58,10 +58,12 @@ OVERLAP = [
 ]
 
 
+# DeepSeek-V3 runs once, with overlap: the steps the rule does not split (too few tokens) take
+# the plain path, so a run serves both.
 @pytest.mark.parametrize(
     "family,overlap",
-    [(f, False) for f in sorted(WRITERS)] + [("deepseek_v3", True)],
-    ids=[*sorted(WRITERS), "deepseek_v3-overlap"],
+    [("mixtral", False), ("qwen2_moe", False), ("deepseek_v3", True)],
+    ids=["mixtral", "qwen2_moe", "deepseek_v3-overlap"],
 )
 def test_failover_and_admission_keep_every_token(family: str, overlap: bool, tmp_path) -> None:  # type: ignore[no-untyped-def]
     ckpt = WRITERS[family](tmp_path / "ckpt", seed=8)
