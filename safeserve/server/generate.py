@@ -68,8 +68,7 @@ class _Refusals:
 
     def add(self, sup: Supervisor, why: Exception) -> None:
         self._clients[sup.group] = sup.client
-        self.gen.owner.metrics.sends_refused.labels(str(sup.group)).inc()
-        logger.warning("request %s: %s; trying another group", self.gen.rid, why)
+        self.gen.refused_by(sup, why)
 
     def groups(self) -> set[int]:
         return {
@@ -142,6 +141,11 @@ class Generation:
             except NoGroupReady as e:
                 refused.add(sup, e)
 
+    def refused_by(self, sup: Supervisor, why: Exception) -> None:
+        """`sup`'s leader could not take this request: counted and logged."""
+        self.owner.metrics.sends_refused.labels(str(sup.group)).inc()
+        logger.warning("request %s: %s", self.rid, why)
+
     @property
     def engine_rid(self) -> str:
         """The id its group knows it by: a moved request is submitted under a new one."""
@@ -174,9 +178,9 @@ class Generation:
         self.moves += 1
         try:
             self._submit(sup, self.prompt_ids, self.params)
-        except NoGroupReady:  # `sup` cannot take it now: it keeps waiting where it is
+        except NoGroupReady as e:  # `sup` cannot take it now: it keeps waiting where it is
             self.moves -= 1
-            self.owner.metrics.sends_refused.labels(str(sup.group)).inc()
+            self.refused_by(sup, e)
             return False
         old_client.abort(old_rid)
         old_queue.put_nowait(RequestOutput(self.rid, [], MOVED))  # wakes its reader
@@ -247,7 +251,6 @@ class Generation:
         on the failed group), or, with the query-of-death rule off, within the retry budget."""
         gen, args = self.owner, self.owner.args
         failed_group = self.supervisor.group
-        refused = _Refusals(self)
         left = args.max_request_attempts - self.attempts
         remaining = self.params.max_tokens - len(self.produced)
         if remaining <= 0:  # everything was produced; only the finish was lost with the group
@@ -277,6 +280,7 @@ class Generation:
         if suspect:
             await self._migrate_suspect(prompt, params, failed_group)
             return
+        refused = _Refusals(self)
         try:
             async for attempt in AsyncRetrying(
                 stop=stop_after_attempt(left),

@@ -176,8 +176,8 @@ async def _drain(g) -> tuple[list[int], APIError | None]:  # type: ignore[no-unt
     return ids, None
 
 
-def _sample(gen, name: str) -> float:  # type: ignore[no-untyped-def]
-    return gen.metrics.registry.get_sample_value("safeserve:" + name) or 0.0
+def _sample(gen, name: str, **labels: str) -> float:  # type: ignore[no-untyped-def]
+    return gen.metrics.registry.get_sample_value("safeserve:" + name, labels or None) or 0.0
 
 
 async def _until(cond, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
@@ -527,12 +527,7 @@ def test_a_failure_quarantines_the_suspect_on_probation_only() -> None:
 
 
 def _refused(gen, group: int) -> float:  # type: ignore[no-untyped-def]
-    return (
-        gen.metrics.registry.get_sample_value(
-            "safeserve:group_sends_refused_total", {"group": str(group)}
-        )
-        or 0.0
-    )
+    return _sample(gen, "group_sends_refused_total", group=str(group))
 
 
 def test_a_new_request_a_ready_groups_leader_refuses_goes_to_another_group() -> None:
